@@ -1,0 +1,513 @@
+"""Frame encoding and decoding: the bytes every Murmuration message travels as.
+
+Owns: the frame layout, its limits, the dtypes the wire carries, and turning
+``(message type, fields, tensors)`` into buffers and back. Decoding validates everything a
+peer could get wrong or forge, and does so before allocating anything large.
+
+Does not own: what a message type means or which fields it needs (``protocol.messages``),
+compression of tensor values (``protocol.quant``), or moving bytes (``node``). No sockets,
+no asyncio, never pickle, never ``torch.load``.
+
+Layout, all integers little-endian::
+
+    prefix  12 bytes  struct "<4sBBHI": MAGIC b"MRMR", version u8, flags u8 (0),
+                      reserved u16 (0), header_len u32
+    header  header_len bytes of msgpack: a map
+            {"type": str, "fields": map, "tensors": [[name, dtype, shape, offset, nbytes], ...]}
+    padding zeros up to the first multiple of 64 at or after prefix + header
+    tail    the tensors' raw bytes; each tensor starts at a 64-byte aligned offset relative
+            to the start of the tail (zeros between), and the frame ends right after the
+            last tensor's bytes. A frame without tensor bytes ends right after its header.
+
+Tensors never travel as msgpack ``bin`` (that would copy): header fields hold only maps with
+str keys, lists, str, int, float, bool and None. Empty tensors take no bytes and get offset 0.
+
+Decoded tensors are zero-copy ``torch.frombuffer`` views into the received buffer. They
+share its memory and keep it alive; when the buffer is ``bytes`` they are read-only by
+contract (torch cannot mark a tensor read-only, so writing to one would mutate an immutable
+``bytes`` object): clone before modifying in place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import torch
+
+from protocol.errors import (
+    BadMagic,
+    BadTensorSpec,
+    FrameTooLarge,
+    HeaderTooLarge,
+    MalformedHeader,
+    TruncatedFrame,
+    UnsupportedDtype,
+    UnsupportedVersion,
+)
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "MAGIC",
+    "MAX_NESTING",
+    "PREFIX_BYTES",
+    "PROTOCOL_VERSION",
+    "Limits",
+    "decode_frame",
+    "dtype_name",
+    "encode_frame",
+    "frame_nbytes",
+    "join_frame",
+    "parse_prefix",
+]
+
+PROTOCOL_VERSION: int = 1
+MAGIC: bytes = b"MRMR"
+_PREFIX = struct.Struct("<4sBBHI")
+PREFIX_BYTES: int = _PREFIX.size
+ALIGN: int = 64
+"""Alignment of the tensor tail and of each tensor within it, in bytes."""
+MAX_NESTING: int = 32
+"""Deepest nesting of maps and lists allowed in header fields."""
+
+_ZEROS = bytes(ALIGN)
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1
+_HEADER_KEYS = frozenset({"type", "fields", "tensors"})
+_NOT_WRITABLE = "The given buffer is not writable"
+
+assert PREFIX_BYTES == 12
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a receiver accepts; checked before anything large is allocated."""
+
+    max_frame_bytes: int = 1 << 30
+    """Largest whole frame (prefix, header, padding and tensors), in bytes."""
+    max_header_bytes: int = 1 << 20
+    """Largest msgpack header, in bytes."""
+    max_tensors: int = 4096
+    """Most entries in the tensor table."""
+    max_tensor_dims: int = 8
+    """Most dimensions of one tensor."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame_bytes", "max_header_bytes", "max_tensors", "max_tensor_dims"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"Limits.{name} must be a non-negative int, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float64": torch.float64,
+        "int8": torch.int8,
+        "uint8": torch.uint8,
+        "int16": torch.int16,
+        "int32": torch.int32,
+        "int64": torch.int64,
+        "bool": torch.bool,
+    }
+)
+"""Wire name -> torch dtype, for every dtype a frame can carry."""
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of ``dtype``; ``UnsupportedDtype`` if frames cannot carry it."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise UnsupportedDtype(
+            f"dtype {dtype} cannot travel in a frame; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _normalize(value: Any, path: str, depth: int) -> Any:
+    """Copy of a header field value as plain dicts and lists; ValueError if not allowed."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, int):
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise ValueError(f"{path}: int {value} does not fit in 64 bits")
+        return int(value)
+    if depth >= MAX_NESTING:
+        raise ValueError(f"{path}: fields nest deeper than {MAX_NESTING} levels")
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{path}: map key {key!r} is not a str")
+            out[key] = _normalize(item, f"{path}[{key!r}]", depth + 1)
+        return out
+    if isinstance(value, list | tuple):
+        return [_normalize(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+    if isinstance(value, bytes | bytearray | memoryview | torch.Tensor):
+        raise ValueError(
+            f"{path}: {type(value).__name__} is not allowed in header fields; "
+            "send binary data as a tensor"
+        )
+    raise ValueError(
+        f"{path}: {type(value).__name__} is not allowed in header fields "
+        "(maps with str keys, lists, str, int, float, bool and None are)"
+    )
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte memoryview over a contiguous CPU tensor's own memory; keeps it alive."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    # The ndarray's base is the uint8 view tensor, which holds the storage.
+    view: memoryview = t.reshape(-1).view(torch.uint8).numpy().data
+    return view
+
+
+def encode_frame(
+    msg_type: str,
+    fields: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> list[bytes | memoryview]:
+    """Encode a message as the buffers to write, in order.
+
+    The first buffer holds prefix, header and padding; each tensor is a memoryview of the
+    tensor's own memory (no copy for a contiguous CPU tensor; others are made contiguous or
+    moved to CPU first), interleaved with zero padding. ``ValueError`` (or
+    ``UnsupportedDtype``) for a message that cannot be encoded.
+    """
+    if not isinstance(msg_type, str) or not msg_type:
+        raise ValueError(f"message type must be a non-empty str, got {_short(msg_type)}")
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"fields must be a mapping, got {type(fields).__name__}")
+    plain_fields = _normalize(fields, "fields", 0)
+
+    table: list[list[Any]] = []
+    pieces: list[tuple[int, memoryview]] = []
+    cursor = 0
+    for name, tensor in (tensors or {}).items():
+        if not isinstance(name, str):
+            raise ValueError(f"tensor name {name!r} is not a str")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors")
+        wire_dtype = dtype_name(tensor.dtype)
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        offset = 0
+        if nbytes:
+            offset = _align(cursor)
+            pieces.append((offset, _byte_view(t)))
+            cursor = offset + nbytes
+        table.append([name, wire_dtype, list(t.shape), offset, nbytes])
+
+    try:
+        header: bytes = msgpack.packb(
+            {"type": msg_type, "fields": plain_fields, "tensors": table}, use_bin_type=True
+        )
+    except (TypeError, ValueError, OverflowError) as exc:  # pragma: no cover - normalized above
+        raise ValueError(f"cannot encode header of {msg_type!r}: {exc}") from exc
+    if len(header) > 0xFFFFFFFF:
+        raise ValueError(f"header of {len(header)} bytes does not fit the u32 length field")
+    prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, 0, len(header))
+    if not pieces:
+        return [prefix + header]
+    header_end = PREFIX_BYTES + len(header)
+    buffers: list[bytes | memoryview] = [
+        prefix + header + _ZEROS[: _align(header_end) - header_end]
+    ]
+    position = 0
+    for offset, view in pieces:
+        if offset > position:
+            buffers.append(_ZEROS[: offset - position])
+        buffers.append(view)
+        position = offset + view.nbytes
+    return buffers
+
+
+def frame_nbytes(buffers: Iterable[bytes | memoryview]) -> int:
+    """Total length in bytes of a frame given as buffers (memoryviews count bytes)."""
+    return sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
+
+
+def join_frame(buffers: Iterable[bytes | memoryview]) -> bytes:
+    """The frame as one ``bytes`` (copies; for tests and small messages)."""
+    return b"".join(buffers)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _byte_buffer(buf: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("frame buffer must be contiguous")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def parse_prefix(prefix: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> int:
+    """Validate a frame's first 12 bytes and return its header length.
+
+    Lets a streaming reader reject a frame before reading or allocating the rest. Checks
+    magic (``BadMagic``), version, flags and reserved bits (``UnsupportedVersion``) and
+    header length (``HeaderTooLarge``). Only the first 12 bytes are looked at; fewer raise
+    ``TruncatedFrame``.
+    """
+    view = _byte_buffer(prefix)
+    if view.nbytes < PREFIX_BYTES:
+        raise TruncatedFrame(
+            f"frame is {view.nbytes} bytes, shorter than its {PREFIX_BYTES}-byte prefix"
+        )
+    magic, version, flags, reserved, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise BadMagic(f"frame starts with {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"frame has protocol version {version}, this node speaks {PROTOCOL_VERSION}"
+        )
+    if flags != 0:
+        raise UnsupportedVersion(
+            f"frame sets flags {flags:#04x}, protocol version {PROTOCOL_VERSION} defines none"
+        )
+    if reserved != 0:
+        raise UnsupportedVersion(
+            f"frame sets reserved bits {reserved:#06x}, which must be 0 in version "
+            f"{PROTOCOL_VERSION}"
+        )
+    if header_len > limits.max_header_bytes:
+        raise HeaderTooLarge(
+            f"frame declares header of {header_len} bytes, limit is {limits.max_header_bytes}"
+        )
+    assert isinstance(header_len, int)
+    return header_len
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr of a peer-supplied value, cut so error messages stay small."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_field_value(value: Any, path: str, depth: int) -> None:
+    """Reject decoded header values the encoder never produces (bin, ext, deep nesting)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return
+    if depth >= MAX_NESTING:
+        raise MalformedHeader(f"{path}: fields nest deeper than {MAX_NESTING} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise MalformedHeader(f"{path}: map key {_short(key)} is not a str")
+            _check_field_value(item, f"{path}[{_short(key, 40)}]", depth + 1)
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_field_value(item, f"{path}[{i}]", depth + 1)
+        return
+    raise MalformedHeader(f"{path}: {type(value).__name__} is not allowed in header fields")
+
+
+def _unpack_header(view: memoryview, header_len: int) -> tuple[str, dict[str, Any], list[Any]]:
+    try:
+        header = msgpack.unpackb(
+            view,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=header_len,
+            max_bin_len=header_len,
+            max_array_len=header_len,
+            max_map_len=header_len,
+            max_ext_len=header_len,
+        )
+    except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as exc:
+        raise MalformedHeader(f"header is not valid msgpack: {exc or type(exc).__name__}") from exc
+    if not isinstance(header, dict):
+        raise MalformedHeader(f"header is a msgpack {type(header).__name__}, not a map")
+    if header.keys() != _HEADER_KEYS:
+        missing = sorted(_HEADER_KEYS - header.keys())
+        extra = sorted(map(repr, header.keys() - _HEADER_KEYS))
+        raise MalformedHeader(f"header keys: missing {missing}, unexpected {_short(extra)}")
+    msg_type, fields, table = header["type"], header["fields"], header["tensors"]
+    if not isinstance(msg_type, str) or not msg_type:
+        raise MalformedHeader(f"header 'type' must be a non-empty str, got {_short(msg_type)}")
+    if not isinstance(fields, dict):
+        raise MalformedHeader(f"header 'fields' must be a map, got {type(fields).__name__}")
+    _check_field_value(fields, "fields", 0)
+    if not isinstance(table, list):
+        raise MalformedHeader(f"header 'tensors' must be a list, got {type(table).__name__}")
+    return msg_type, fields, table
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    numel: int
+    offset: int
+    nbytes: int
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # bool is an int subclass; msgpack true must not pass
+
+
+def _parse_entry(index: int, entry: Any, tail_bytes: int, limits: Limits) -> _Entry:
+    where = f"tensor table entry {index}"
+    if not isinstance(entry, list) or len(entry) != 5:
+        raise MalformedHeader(
+            f"{where} must be [name, dtype, shape, offset, nbytes], got {_short(entry)}"
+        )
+    name, dtype_str, shape, offset, nbytes = entry
+    if not isinstance(name, str):
+        raise MalformedHeader(f"{where}: name must be a str, got {type(name).__name__}")
+    where = f"tensor {_short(name)}"
+    if not isinstance(dtype_str, str):
+        raise MalformedHeader(f"{where}: dtype must be a str, got {type(dtype_str).__name__}")
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise MalformedHeader(f"{where}: shape must be a list of ints, got {_short(shape)}")
+    if not _is_int(offset) or not _is_int(nbytes):
+        raise MalformedHeader(
+            f"{where}: offset and nbytes must be ints, got {_short(offset)}, {_short(nbytes)}"
+        )
+    dtype = DTYPES.get(dtype_str)
+    if dtype is None:
+        raise UnsupportedDtype(
+            f"{where} has dtype {_short(dtype_str)}; supported: {', '.join(DTYPES)}"
+        )
+    if len(shape) > limits.max_tensor_dims:
+        raise BadTensorSpec(
+            f"{where} has {len(shape)} dimensions, limit is {limits.max_tensor_dims}"
+        )
+    if any(d < 0 for d in shape):
+        raise BadTensorSpec(f"{where} has a negative dimension in shape {shape}")
+    numel = math.prod(shape)
+    if numel == 0 and math.prod(max(d, 1) for d in shape) > limits.max_frame_bytes:
+        # Nothing else bounds the other dimensions of an empty tensor; torch would overflow.
+        raise BadTensorSpec(
+            f"{where}: empty shape {shape} has dimensions larger than any frame "
+            f"({limits.max_frame_bytes} bytes)"
+        )
+    itemsize = dtype.itemsize
+    if nbytes != numel * itemsize:
+        raise BadTensorSpec(
+            f"{where}: shape {shape} of {dtype_str} needs {numel * itemsize} bytes, "
+            f"table says {nbytes}"
+        )
+    if offset < 0 or offset % ALIGN:
+        raise BadTensorSpec(f"{where}: offset {offset} is not a non-negative multiple of {ALIGN}")
+    if offset + nbytes > tail_bytes:
+        raise TruncatedFrame(
+            f"{where} occupies tail bytes [{offset}, {offset + nbytes}) "
+            f"but the frame has only {tail_bytes} tail bytes"
+        )
+    return _Entry(name, dtype, tuple(shape), numel, offset, nbytes)
+
+
+def _parse_table(table: list[Any], tail_bytes: int, limits: Limits) -> list[_Entry]:
+    if len(table) > limits.max_tensors:
+        raise BadTensorSpec(f"frame has {len(table)} tensors, limit is {limits.max_tensors}")
+    entries: list[_Entry] = []
+    names: set[str] = set()
+    for index, raw in enumerate(table):
+        entry = _parse_entry(index, raw, tail_bytes, limits)
+        if entry.name in names:
+            raise BadTensorSpec(f"tensor name {_short(entry.name)} appears more than once")
+        names.add(entry.name)
+        entries.append(entry)
+    ranges = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries if e.nbytes)
+    for (_, prev_end, prev_name), (start, _, name) in itertools.pairwise(ranges):
+        if start < prev_end:
+            raise BadTensorSpec(
+                f"tensors {_short(prev_name)} and {_short(name)} overlap: "
+                f"{_short(name)} starts at {start}, {_short(prev_name)} ends at {prev_end}"
+            )
+    return entries
+
+
+def decode_frame(
+    buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """Decode one whole frame into ``(msg_type, fields, tensors)``.
+
+    Tensors are zero-copy views into ``buf`` (see the module docstring: read-only by
+    contract when ``buf`` is ``bytes``). Every fault raises a distinct ``ProtocolError``,
+    checked in this order before anything large is allocated: frame size, prefix
+    (see ``parse_prefix``), header bounds, msgpack and header structure, then each tensor
+    table entry, duplicate names, overlaps and trailing bytes. Bool tensors must hold only
+    bytes 0 and 1.
+    """
+    view = _byte_buffer(buf)
+    size = view.nbytes
+    if size > limits.max_frame_bytes:
+        raise FrameTooLarge(f"frame is {size} bytes, limit is {limits.max_frame_bytes}")
+    header_len = parse_prefix(view, limits)
+    header_end = PREFIX_BYTES + header_len
+    if header_end > size:
+        raise TruncatedFrame(
+            f"frame declares header of {header_len} bytes but only "
+            f"{size - PREFIX_BYTES} bytes follow the prefix"
+        )
+    msg_type, fields, table = _unpack_header(view[PREFIX_BYTES:header_end], header_len)
+    tail_start = _align(header_end)
+    entries = _parse_table(table, max(0, size - tail_start), limits)
+    tail_end = max((e.offset + e.nbytes for e in entries), default=0)
+    expected = tail_start + tail_end if tail_end else header_end
+    if size != expected:
+        assert size > expected  # every tensor lies within the buffer
+        raise BadTensorSpec(
+            f"frame is {size} bytes but its header and tensor table end at byte {expected}"
+        )
+
+    tensors: dict[str, torch.Tensor] = {}
+    # torch warns (once per process) that a read-only buffer gives a writable tensor; the
+    # views are read-only by contract, so silence exactly that warning for these calls.
+    with warnings.catch_warnings():
+        if view.readonly:
+            warnings.filterwarnings("ignore", message=_NOT_WRITABLE, category=UserWarning)
+        for e in entries:
+            if e.numel == 0:
+                tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+                continue
+            start = tail_start + e.offset
+            if e.dtype == torch.bool:
+                raw = torch.frombuffer(view, dtype=torch.uint8, count=e.nbytes, offset=start)
+                if int(raw.max()) > 1:
+                    raise BadTensorSpec(
+                        f"bool tensor {_short(e.name)} holds bytes other than 0 and 1"
+                    )
+                flat = raw.view(torch.bool)
+            else:
+                flat = torch.frombuffer(view, dtype=e.dtype, count=e.numel, offset=start)
+            tensors[e.name] = flat.reshape(e.shape)
+    return msg_type, fields, tensors

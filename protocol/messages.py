@@ -1,0 +1,264 @@
+"""Typed wire messages: what peers say to each other, and how it maps onto frames.
+
+Owns the message vocabulary (one frozen dataclass per message type) and the strict
+translation between a message and a frame's ``(type, fields, tensors)``. Decoding checks every
+field's presence and type against the dataclass annotations, so a handler only ever sees a
+well-formed message; unknown extra fields are ignored (forward compatibility within a protocol
+version). Does not own framing (``protocol.frames``), sockets, or what a node does with a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union
+
+import torch
+
+from protocol.errors import MalformedMessage, UnknownMessageType
+from protocol.frames import Limits, decode_frame, encode_frame
+
+_Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of a microbatch's route: which peer of which stage handled it."""
+
+    stage: int
+    peer_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a node tells others about itself (or relays about a third peer)."""
+
+    peer_id: str
+    address: str
+    stage: int
+    step: int = 0
+    throughput: float = 0.0
+    """Samples per second through this peer's stage (EMA of its own measurements)."""
+    queue: int = 0
+    """Jobs waiting in the peer's compute queue."""
+    ready: bool = False
+    """True once the peer holds its stage's weights and accepts work."""
+    leaving: bool = False
+    age_s: float = 0.0
+    """Seconds since the sender last heard from this peer directly (0 for the sender itself)."""
+    grad_norm: float = 0.0
+    """The stage's latest post-clip gradient norm (CheckFree needs it)."""
+    loss: float | None = None
+    """Latest training loss, head-stage peers only."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base class: ``TYPE`` names the message on the wire; ``tensors`` travel in the frame tail."""
+
+    TYPE: ClassVar[str] = ""
+    tensors: _Tensors = field(default_factory=dict, kw_only=True, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Membership handshake and heartbeat: my record plus the peers I know (peer exchange)."""
+
+    TYPE: ClassVar[str] = "hello"
+    swarm: str
+    fingerprint: str
+    sender: PeerRecord
+    peers: list[PeerRecord]
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Reply to ``Hello``: the receiver's record and table, and the host it saw us connect from."""
+
+    TYPE: ClassVar[str] = "welcome"
+    swarm: str
+    fingerprint: str
+    sender: PeerRecord
+    peers: list[PeerRecord]
+    observed_host: str
+
+
+@dataclass(frozen=True)
+class Leave(Message):
+    """A peer announces it is shutting down; drop it from routing at once."""
+
+    TYPE: ClassVar[str] = "leave"
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class Forward(Message):
+    """Activations of microbatch ``mb_id`` for ``target_stage``; tensors encoded by ``meta``.
+
+    ``path`` lists the hops so far, starting with the originating head node. A forward whose
+    ``target_stage`` is 0 carries the last block stage's output home to ``path[0]``.
+    """
+
+    TYPE: ClassVar[str] = "forward"
+    mb_id: str
+    target_stage: int
+    path: list[Hop]
+    eval: bool
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Backward(Message):
+    """Gradient w.r.t. the output of hop ``path[index]``, sent back along the recorded path."""
+
+    TYPE: ClassVar[str] = "backward"
+    mb_id: str
+    index: int
+    path: list[Hop]
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Accepted for processing (work continues asynchronously)."""
+
+    TYPE: ClassVar[str] = "ack"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """A request was refused; ``code`` is stable and machine-readable."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class FetchState(Message):
+    """Ask a replica of ``stage`` for its current weights and optimizer state."""
+
+    TYPE: ClassVar[str] = "fetch_state"
+    stage: int
+
+
+@dataclass(frozen=True)
+class StageState(Message):
+    """A stage replica's state: parameters and Adam moments as tensors, counters as fields."""
+
+    TYPE: ClassVar[str] = "stage_state"
+    stage: int
+    step: int
+    samples: int
+
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Leave, Forward, Backward, Ack, Error, FetchState, StageState)
+}
+
+M = TypeVar("M", bound=Message)
+
+
+def encode_message(msg: Message) -> list[bytes | memoryview]:
+    """The frame buffers for ``msg``, tensors sent from their own memory."""
+    fields = {f.name: _to_wire(getattr(msg, f.name)) for f in _wire_fields(type(msg))}
+    return encode_frame(msg.TYPE, fields, msg.tensors)
+
+
+def decode_message(buf: bytes | bytearray | memoryview, limits: Limits | None = None) -> Message:
+    """Decode and validate one frame into its typed message (tensors are zero-copy views)."""
+    msg_type, fields, tensors = decode_frame(buf, limits or Limits())
+    cls = MESSAGE_TYPES.get(msg_type)
+    if cls is None:
+        raise UnknownMessageType(f"unknown message type {msg_type!r}")
+    return _from_fields(cls, fields, tensors)
+
+
+def expect(msg: Message, cls: type[M]) -> M:
+    """``msg`` as ``cls``; a peer answering with another type (or an ``Error``) is a protocol error."""
+    if isinstance(msg, cls):
+        return msg
+    if isinstance(msg, Error):
+        raise MalformedMessage(f"peer refused: {msg.code}: {msg.message}")
+    raise MalformedMessage(f"expected {cls.TYPE!r} reply, got {msg.TYPE!r}")
+
+
+def _wire_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if f.name != "tensors"]
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def _from_fields(cls: type[M], fields: Mapping[str, Any], tensors: _Tensors) -> M:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in _wire_fields(cls):
+        if f.name in fields:
+            kwargs[f.name] = _check(fields[f.name], hints[f.name], f"{cls.TYPE}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MalformedMessage(f"{cls.TYPE} message lacks field {f.name!r}")
+    return cls(**kwargs, tensors=tensors)
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """``value`` converted to ``hint`` if it has that shape, else ``MalformedMessage``."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check(value, option, where)
+            except MalformedMessage:
+                continue
+        raise MalformedMessage(f"{where}: {type(value).__name__} is not {hint}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(hint)
+            return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return _from_record(hint, value, where)
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is Any or isinstance(value, hint):
+        return value
+    raise MalformedMessage(
+        f"{where}: {type(value).__name__} is not {getattr(hint, '__name__', hint)}"
+    )
+
+
+def _from_record(cls: Any, value: Mapping[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in value:
+            kwargs[f.name] = _check(value[f.name], hints[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING:
+            raise MalformedMessage(f"{where} lacks field {f.name!r}")
+    return cls(**kwargs)
+
+
+def hops(path: Sequence[Hop]) -> str:
+    """A short human-readable route, for logs: ``0:ab12>1:cd34>2:ef56``."""
+    return ">".join(f"{h.stage}:{h.peer_id[:4]}" for h in path)

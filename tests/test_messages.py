@@ -1,0 +1,101 @@
+"""Typed messages: round trips, strict field checking, unknown types."""
+
+import pytest
+import torch
+
+from protocol.errors import MalformedMessage, ProtocolError, UnknownMessageType
+from protocol.frames import encode_frame, join_frame
+from protocol.messages import (
+    MESSAGE_TYPES,
+    Ack,
+    Backward,
+    Error,
+    FetchState,
+    Forward,
+    Hello,
+    Hop,
+    Leave,
+    PeerRecord,
+    StageState,
+    Welcome,
+    decode_message,
+    encode_message,
+    expect,
+)
+
+
+def roundtrip(msg):  # type: ignore[no-untyped-def]
+    return decode_message(join_frame(encode_message(msg)))
+
+
+def test_every_message_type_round_trips() -> None:
+    rec = PeerRecord(peer_id="ab", address="1.2.3.4:5", stage=2, step=7, throughput=1.5, loss=None)
+    path = [Hop(0, "h", "1.1.1.1:1"), Hop(1, "b", "2.2.2.2:2")]
+    h = torch.randn(2, 3, 4).to(torch.bfloat16)
+    msgs = [
+        Hello(swarm="s", fingerprint="f", sender=rec, peers=[rec]),
+        Welcome(swarm="s", fingerprint="f", sender=rec, peers=[], observed_host="9.9.9.9"),
+        Leave(peer_id="ab"),
+        Forward(mb_id="m", target_stage=2, path=path, eval=False, meta={"codec": "bf16"}, tensors={"h": h}),
+        Backward(mb_id="m", index=1, path=path, meta={}, tensors={"g": h}),
+        Ack(),
+        Error(code="busy", message="queue full"),
+        FetchState(stage=1),
+        StageState(stage=1, step=3, samples=96, tensors={"param.w": torch.ones(3)}),
+    ]
+    assert {type(m) for m in msgs} == set(MESSAGE_TYPES.values())
+    for msg in msgs:
+        out = roundtrip(msg)
+        assert type(out) is type(msg)
+        assert out == msg  # tensors are excluded from equality; compare them below
+        assert out.tensors.keys() == msg.tensors.keys()
+        for k, t in msg.tensors.items():
+            assert torch.equal(out.tensors[k], t)
+
+
+def test_nested_records_become_dataclasses() -> None:
+    out = roundtrip(Forward(mb_id="m", target_stage=1, path=[Hop(0, "h", "a:1")], eval=True, meta={}))
+    assert isinstance(out, Forward) and out.path == [Hop(0, "h", "a:1")]
+
+
+def test_missing_field_is_malformed() -> None:
+    buf = join_frame(encode_frame("leave", {}, {}))
+    with pytest.raises(MalformedMessage, match="peer_id"):
+        decode_message(buf)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"mb_id": 5, "target_stage": 1, "path": [], "eval": False, "meta": {}},
+        {"mb_id": "m", "target_stage": "1", "path": [], "eval": False, "meta": {}},
+        {"mb_id": "m", "target_stage": True, "path": [], "eval": False, "meta": {}},
+        {"mb_id": "m", "target_stage": 1, "path": [{"stage": 0}], "eval": False, "meta": {}},
+        {"mb_id": "m", "target_stage": 1, "path": "x", "eval": False, "meta": {}},
+        {"mb_id": "m", "target_stage": 1, "path": [], "eval": 1, "meta": {}},
+        {"mb_id": "m", "target_stage": 1, "path": [], "eval": False, "meta": []},
+    ],
+)
+def test_mistyped_fields_are_malformed(fields: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(MalformedMessage) as info:
+        decode_message(join_frame(encode_frame("forward", fields, {})))
+    assert info.value.code == "malformed_message"
+
+
+def test_unknown_type() -> None:
+    with pytest.raises(UnknownMessageType) as info:
+        decode_message(join_frame(encode_frame("launch_missiles", {}, {})))
+    assert isinstance(info.value, ProtocolError) and info.value.code == "unknown_message_type"
+
+
+def test_extra_fields_are_ignored_for_forward_compatibility() -> None:
+    out = decode_message(join_frame(encode_frame("leave", {"peer_id": "x", "new_field": 1}, {})))
+    assert out == Leave(peer_id="x")
+
+
+def test_expect() -> None:
+    assert expect(Ack(), Ack) == Ack()
+    with pytest.raises(MalformedMessage, match="busy"):
+        expect(Error(code="busy", message="full"), Ack)
+    with pytest.raises(MalformedMessage, match="expected"):
+        expect(Leave(peer_id="x"), Ack)
