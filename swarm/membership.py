@@ -1,0 +1,168 @@
+"""Membership: bootstrap, heartbeats with peer exchange, and expiry of silent peers.
+
+Owns the protocol that keeps every node's ``PeerTable`` converging on the whole swarm:
+
+- Every ``heartbeat_s`` (jittered) a node sends ``Hello`` (its own record plus its table,
+  each entry stamped with its age) to up to ``fanout`` random live peers, and to every
+  bootstrap or LAN-sighted address that no live peer currently holds. The reply,
+  ``Welcome``, carries the other side's record and table. Both sides merge what they hear,
+  so one contact is enough to learn the whole swarm within a few rounds.
+- A peer heard of by no one for ``ttl_s`` expires; ``Leave`` removes one at once.
+- Only peers of the same swarm name and model fingerprint are admitted; others are refused
+  with code ``wrong_swarm`` and never enter the table.
+
+Does not own discovery on the LAN (``swarm.discovery`` feeds addresses in through
+``add_address``), nor sockets (the ``Transport`` seam), nor what the table is used for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.messages import Hello, Leave, PeerRecord, Welcome, expect
+from swarm.peers import PeerTable
+from swarm.seams import Clock, Refused, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeat rounds (each round is jittered by +-20 %)."""
+    ttl_s: float = 8.0
+    """A peer nobody has heard from for this long is considered gone."""
+    fanout: int = 8
+    """Live peers contacted per heartbeat round (all of them in a small swarm)."""
+    request_timeout_s: float = 3.0
+    """Deadline of one Hello exchange."""
+
+
+class MembershipService:
+    """Keeps ``table`` current by talking to peers through ``transport``."""
+
+    def __init__(
+        self,
+        config: MembershipConfig,
+        *,
+        swarm: str,
+        fingerprint: str,
+        table: PeerTable,
+        transport: Transport,
+        clock: Clock,
+        self_record: Callable[[], PeerRecord],
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.swarm = swarm
+        self.fingerprint = fingerprint
+        self.table = table
+        self.transport = transport
+        self.clock = clock
+        self.self_record = self_record
+        self.rng = rng
+        self.bootstrap: list[str] = []
+        self._sighted: set[str] = set()
+        self.observed_host: str | None = None
+        self.num_rounds = 0
+
+    def add_bootstrap(self, addresses: list[str]) -> None:
+        """Addresses to keep contacting while no live peer answers from them."""
+        self.bootstrap.extend(a for a in addresses if a not in self.bootstrap)
+
+    def add_address(self, address: str) -> None:
+        """An address seen on the LAN; contacted in the next round unless already known."""
+        if address != self.self_record().address:
+            self._sighted.add(address)
+
+    async def run(self) -> None:
+        """Heartbeat rounds until cancelled."""
+        while True:
+            await self.round()
+            jitter = 1.0 + 0.2 * (2 * self.rng.random() - 1)
+            await self.clock.sleep(self.config.heartbeat_s * jitter)
+
+    async def round(self) -> None:
+        """One heartbeat round: expire, then exchange with a sample of peers and new addresses."""
+        now = self.clock.now()
+        for peer_id in self.table.expire(now):
+            log.info("peer %s expired (silent for %.0fs)", peer_id[:8], self.config.ttl_s)
+        peers = self.table.records()
+        sample = self.rng.sample(peers, min(self.config.fanout, len(peers)))
+        targets = {p.address for p in sample}
+        held = {p.address for p in peers} | {self.self_record().address}
+        targets |= {a for a in (*self.bootstrap, *self._sighted) if a not in held}
+        self._sighted -= targets
+        await asyncio.gather(*(self.contact(a) for a in sorted(targets)))
+        self.num_rounds += 1
+
+    async def contact(self, address: str) -> bool:
+        """Exchange tables with the node at ``address``; False if it did not answer."""
+        hello = Hello(
+            swarm=self.swarm,
+            fingerprint=self.fingerprint,
+            sender=self.self_record(),
+            peers=self.table.for_exchange(self.clock.now()),
+        )
+        try:
+            reply = await self.transport.request(address, hello, self.config.request_timeout_s)
+            welcome = expect(reply, Welcome)
+        except (TransportError, ValueError) as e:
+            log.debug("hello to %s failed: %s", address, e)
+            return False
+        if (welcome.swarm, welcome.fingerprint) != (self.swarm, self.fingerprint):
+            return False
+        self.observed_host = welcome.observed_host
+        self._merge(welcome.sender, welcome.peers, address)
+        return True
+
+    def handle_hello(self, hello: Hello, observed_host: str) -> Welcome:
+        """Answer a peer's heartbeat: merge its news and return ours."""
+        if hello.swarm != self.swarm or hello.fingerprint != self.fingerprint:
+            raise Refused(
+                "wrong_swarm",
+                f"this node is in swarm {self.swarm!r} with model {self.fingerprint}; "
+                f"you are in {hello.swarm!r} with {hello.fingerprint}",
+            )
+        self._merge(hello.sender, hello.peers, hello.sender.address)
+        return Welcome(
+            swarm=self.swarm,
+            fingerprint=self.fingerprint,
+            sender=self.self_record(),
+            peers=self.table.for_exchange(self.clock.now()),
+            observed_host=observed_host,
+        )
+
+    def handle_leave(self, leave: Leave) -> None:
+        if self.table.remove(leave.peer_id, self.clock.now()):
+            log.info("peer %s left", leave.peer_id[:8])
+
+    async def leave_all(self, timeout_s: float) -> None:
+        """Tell every live peer we are leaving (best effort, concurrently, bounded time)."""
+        msg = Leave(peer_id=self.self_record().peer_id)
+
+        async def tell(address: str) -> None:
+            try:
+                await self.transport.request(address, msg, timeout_s)
+            except TransportError as e:
+                log.debug("leave to %s failed: %s", address, e)
+
+        await asyncio.gather(*(tell(p.address) for p in self.table.records()))
+
+    def _merge(self, sender: PeerRecord, peers: list[PeerRecord], address: str) -> None:
+        now = self.clock.now()
+        if self.table.observe(sender, now):
+            log.info("peer %s joined: stage %d at %s", sender.peer_id[:8], sender.stage, address)
+        for record in peers:
+            if self.table.observe(record, now, record.age_s):
+                log.info(
+                    "learned of peer %s: stage %d at %s via %s",
+                    record.peer_id[:8],
+                    record.stage,
+                    record.address,
+                    sender.peer_id[:8],
+                )

@@ -1,0 +1,97 @@
+"""SWARM stochastic wiring: choose the next hop of a microbatch among a stage's replicas.
+
+SWARM Parallelism (Ryabinin et al., ICML 2023, arXiv 2301.11913), section 3.2 and
+ALGORITHMS.md section 2. Each hop is drawn at random with probability proportional to the
+replica's estimated rate of finishing our work: its published service rate (samples/s, an
+EMA it measures itself) divided by the work ahead of ours (its queue plus what we already
+have in flight with it). A replica we know nothing about yet gets the best rate seen, so new
+peers are probed early (SWARM's reference probes new peers first). A peer that failed is
+banned for ``ban_s`` seconds. With all peers equally fast and idle the draw is uniform,
+which is what NoLoCo's seeded random permutation gives on average; with unequal peers the
+faster ones get proportionally more work.
+
+Pure policy: callers pass ``now`` and a seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from protocol.messages import PeerRecord
+
+
+@dataclass
+class PeerStats:
+    """What this node observed of one peer."""
+
+    num_in_flight: int = 0
+    num_failures: int = 0
+    banned_until: float = float("-inf")
+    latency_ema_s: float | None = None
+
+
+def route_weights(
+    candidates: Sequence[PeerRecord], stats: dict[str, PeerStats], now: float
+) -> list[float]:
+    """Relative chance of each candidate: service rate / (1 + work ahead of ours); 0 if banned."""
+    known = [c.throughput for c in candidates if c.throughput > 0]
+    probe_rate = max(known) if known else 1.0
+    weights = []
+    for c in candidates:
+        s = stats.get(c.peer_id, PeerStats())
+        if s.banned_until > now:
+            weights.append(0.0)
+            continue
+        rate = c.throughput if c.throughput > 0 else probe_rate
+        weights.append(rate / (1.0 + c.queue + s.num_in_flight))
+    return weights
+
+
+class Router:
+    """Keeps per-peer observations and draws next hops."""
+
+    def __init__(self, rng: random.Random, ban_s: float = 10.0, ema: float = 0.3) -> None:
+        self.rng = rng
+        self.ban_s = ban_s
+        self.ema = ema
+        self.stats: dict[str, PeerStats] = {}
+
+    def choose(
+        self, candidates: Sequence[PeerRecord], now: float, exclude: Collection[str] = ()
+    ) -> PeerRecord | None:
+        """A weighted random candidate not in ``exclude``; ``None`` if none is usable.
+
+        When every remaining candidate is banned, the least recently banned one is tried
+        rather than giving up: a swarm with one replica per stage must retry it.
+        """
+        pool = [c for c in candidates if c.peer_id not in exclude]
+        if not pool:
+            return None
+        weights = route_weights(pool, self.stats, now)
+        if sum(weights) <= 0:
+            return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
+        return self.rng.choices(pool, weights=weights, k=1)[0]
+
+    def started(self, peer_id: str) -> None:
+        self._stats(peer_id).num_in_flight += 1
+
+    def finished(self, peer_id: str, ok: bool, now: float, latency_s: float | None = None) -> None:
+        """Record the outcome of one request to ``peer_id``; a failure bans it for a while."""
+        s = self._stats(peer_id)
+        s.num_in_flight = max(0, s.num_in_flight - 1)
+        if ok:
+            s.num_failures = 0
+            if latency_s is not None:
+                prev = s.latency_ema_s
+                s.latency_ema_s = latency_s if prev is None else prev + self.ema * (latency_s - prev)
+        else:
+            s.num_failures += 1
+            s.banned_until = now + self.ban_s
+
+    def forget(self, peer_id: str) -> None:
+        self.stats.pop(peer_id, None)
+
+    def _stats(self, peer_id: str) -> PeerStats:
+        return self.stats.setdefault(peer_id, PeerStats())

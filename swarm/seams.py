@@ -1,0 +1,62 @@
+"""The seams through which swarm services reach the world: transport, clock, refusals.
+
+Services in ``swarm/`` never open sockets or read the wall clock themselves; they receive a
+``Transport`` and a ``Clock`` (``typing.Protocol``, so an in-memory fake need not inherit).
+The daemon in ``node/`` supplies the real HTTP transport; tests supply fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+from protocol.messages import Message
+
+
+class Transport(Protocol):
+    """Send one message to the peer at ``address`` (``host:port``) and return its reply."""
+
+    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+        """Raises ``TransportError`` when the peer cannot be reached or answers with an error."""
+        ...
+
+
+class Clock(Protocol):
+    """Monotonic time in seconds, and sleeping on it."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class TransportError(Exception):
+    """A request failed: unreachable peer, timeout, or an ``Error`` reply (``code`` says which)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Refused(Exception):
+    """A handler refuses a well-formed request (wrong swarm, unknown microbatch, busy...).
+
+    The daemon turns it into an ``Error`` reply with this code and HTTP status.
+    """
+
+    def __init__(self, code: str, message: str, http_status: int = 409) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.http_status = http_status

@@ -1,0 +1,234 @@
+"""Real hosts on one machine: Linux network namespaces on a shared bridge, as a pytest fixture.
+
+Owns: creating N "hosts" (a namespace each, with ``eth0`` on a private bridge, loopback up and a
+224.0.0.0/4 route so multicast such as mDNS works), running processes inside them, partitions
+(``cut``/``heal`` detach and reattach a host's veth), and ALWAYS tearing all of it down: the
+processes started inside, the namespaces, the bridge and the iptables rule. Names carry a random
+suffix so parallel runs never collide. The recipe is ``shared/tools/netns-lab.sh``.
+Does not own: what runs on the hosts, or latency (this kernel has no netem; tc tbf caps rate).
+
+Not a test module. Use it from a test file or ``tests/conftest.py``::
+
+    from tests.netns import netns_lab  # noqa: F401  (the fixture; it skips without root/netns)
+
+    def test_x(netns_lab):
+        lab = netns_lab(3)
+        proc = lab.hosts[0].popen([sys.executable, "-c", "..."], stdout=subprocess.PIPE)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+_CMD_TIMEOUT_S = 10.0
+_TERM_GRACE_S = 3.0
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ip", *args], capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=check
+    )
+
+
+@functools.cache
+def netns_available() -> tuple[bool, str]:
+    """Whether namespaces on a bridge can be made here, and if not, why (a skip reason)."""
+    if os.geteuid() != 0:
+        return False, f"network namespaces need root (euid is {os.geteuid()})"
+    if shutil.which("ip") is None:
+        return False, "no `ip` binary (install iproute2)"
+    probe = f"mmprobe{secrets.token_hex(3)}"
+    try:
+        for args, undo in (
+            (("netns", "add", probe), ("netns", "del", probe)),
+            (("link", "add", probe, "type", "bridge"), ("link", "del", probe)),
+        ):
+            done = _ip(*args, check=False)
+            if done.returncode != 0:
+                return False, f"`ip {' '.join(args)}` failed: {done.stderr.strip()}"
+            _ip(*undo, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, f"`ip` does not work here: {exc}"
+    return True, ""
+
+
+@dataclass
+class Host:
+    """One namespace: ``name`` is the namespace, ``address`` its IPv4 address on ``eth0``."""
+
+    name: str
+    address: str
+    veth: str  # the bridge-side end, in the root namespace
+    _lab: Lab = field(repr=False)
+
+    def popen(self, args: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        """Start ``args`` inside this host; the lab kills it (and its group) at teardown."""
+        kw.setdefault("start_new_session", True)
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            ["ip", "netns", "exec", self.name, *args], **kw
+        )
+        self._lab.procs.append(proc)
+        return proc
+
+    def run(self, args: Sequence[str], timeout: float = _CMD_TIMEOUT_S) -> str:
+        """Run a short command inside this host to completion; its stdout (raises on failure)."""
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.name, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
+        return done.stdout
+
+
+@dataclass
+class Lab:
+    """N hosts on one bridge, subnet ``10.A.B.0/24``, host i (0-based) at ``10.A.B.(i+1)``."""
+
+    prefix: str
+    bridge: str
+    hosts: list[Host] = field(default_factory=list)
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    iptables_rule: list[str] | None = None
+    closed: bool = False
+
+    @classmethod
+    def create(cls, n: int) -> Lab:
+        """Make the bridge and ``n`` hosts; on any failure, remove what was made and raise."""
+        if not 1 <= n <= 250:
+            raise ValueError(f"a lab has 1..250 hosts, not {n}")
+        prefix = f"mm{secrets.token_hex(3)}"  # 8 chars: "v" + prefix + index <= 15
+        lab = cls(prefix=prefix, bridge=f"{prefix}br")
+        net = f"10.{20 + secrets.randbelow(200)}.{secrets.randbelow(256)}"
+        try:
+            _ip("link", "add", lab.bridge, "type", "bridge", "mcast_snooping", "0")
+            _ip("link", "set", lab.bridge, "up")
+            lab._allow_forwarding()
+            for i in range(n):
+                lab._add_host(i, f"{net}.{i + 1}")
+        except BaseException:
+            lab.close()
+            raise
+        return lab
+
+    def _allow_forwarding(self) -> None:
+        # Bridged frames traverse iptables FORWARD when br_netfilter is loaded, and Docker sets
+        # that chain's policy to DROP: accept our own bridge explicitly.
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        done = subprocess.run(
+            ["iptables", "-I", *rule], capture_output=True, timeout=_CMD_TIMEOUT_S, check=False
+        )
+        if done.returncode == 0:
+            self.iptables_rule = rule
+
+    def _add_host(self, i: int, address: str) -> None:
+        ns, veth = f"{self.prefix}{i + 1}", f"v{self.prefix}{i + 1}"
+        _ip("netns", "add", ns)
+        self.hosts.append(Host(name=ns, address=address, veth=veth, _lab=self))  # close() sees it
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", veth, "master", self.bridge)
+        _ip("link", "set", veth, "up")
+        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")  # multicast (mDNS) out eth0
+
+    def cut(self, i: int) -> None:
+        """Partition host ``i`` (0-based): detach its veth from the bridge."""
+        _ip("link", "set", self.hosts[i].veth, "nomaster")
+
+    def heal(self, i: int) -> None:
+        """Reattach host ``i`` (0-based) to the bridge."""
+        _ip("link", "set", self.hosts[i].veth, "master", self.bridge)
+
+    def close(self) -> None:
+        """Kill everything started inside, then remove namespaces, rule and bridge. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            _signal_group(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_TERM_GRACE_S)
+        for host in self.hosts:
+            _kill_namespace_pids(host.name)  # anything else still living in the namespace
+            _ip("netns", "del", host.name, check=False)
+            _ip("link", "del", host.veth, check=False)  # normally gone with the namespace
+        if self.iptables_rule is not None:
+            subprocess.run(
+                ["iptables", "-D", *self.iptables_rule],
+                capture_output=True,
+                timeout=_CMD_TIMEOUT_S,
+                check=False,
+            )
+        _ip("link", "del", self.bridge, check=False)
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # popen() starts a new session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+
+def _kill_namespace_pids(ns: str) -> None:
+    listed = _ip("netns", "pids", ns, check=False)
+    for word in listed.stdout.split():
+        with contextlib.suppress(ValueError, ProcessLookupError):
+            os.kill(int(word), signal.SIGKILL)
+    for _ in range(50):  # a killed process leaves the namespace once it is reaped
+        if not _ip("netns", "pids", ns, check=False).stdout.strip():
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def netns_lab() -> Iterator[Callable[[int], Lab]]:
+    """Factory ``make(n) -> Lab``; every lab it made is closed after the test, pass or fail.
+
+    Skips the test, with the reason, where namespaces cannot be made.
+    """
+    ok, reason = netns_available()
+    if not ok:
+        pytest.skip(reason)
+    labs: list[Lab] = []
+
+    def make(n: int) -> Lab:
+        lab = Lab.create(n)
+        labs.append(lab)
+        return lab
+
+    try:
+        yield make
+    finally:
+        for lab in reversed(labs):
+            lab.close()

@@ -1,0 +1,80 @@
+"""Peer table: observation, relayed ages, expiry with explicit ``now``, tombstones."""
+
+from protocol.messages import PeerRecord
+from swarm.peers import PeerTable
+
+
+def rec(pid: str, stage: int = 1, ready: bool = True, **kw: object) -> PeerRecord:
+    return PeerRecord(peer_id=pid, address=f"10.0.0.1:{7000 + len(pid)}", stage=stage, ready=ready, **kw)  # type: ignore[arg-type]
+
+
+def test_observe_new_and_ignores_self() -> None:
+    t = PeerTable("me", ttl_s=10)
+    assert t.observe(rec("a"), now=0.0) is True
+    assert t.observe(rec("a"), now=1.0) is False
+    assert t.observe(rec("me"), now=1.0) is False
+    assert len(t) == 1 and "a" in t and "me" not in t
+
+
+def test_expiry_uses_last_seen() -> None:
+    t = PeerTable("me", ttl_s=10)
+    t.observe(rec("a"), now=0.0)
+    t.observe(rec("b"), now=5.0)
+    assert t.expire(now=10.0) == []
+    assert t.expire(now=10.5) == ["a"]
+    assert t.expire(now=15.5) == ["b"]
+    assert len(t) == 0
+
+
+def test_relayed_age_cannot_refresh_a_fresher_entry() -> None:
+    t = PeerTable("me", ttl_s=10)
+    t.observe(rec("a", step=5), now=100.0)
+    # a relay that heard of "a" 4 s ago is older news than ours: keep ours
+    t.observe(rec("a", step=3), now=101.0, age_s=4.0)
+    assert t.get("a").step == 5  # type: ignore[union-attr]
+    assert t.age_s("a", now=101.0) == 1.0
+    # fresher relayed news replaces the record and its time
+    t.observe(rec("a", step=9), now=103.0, age_s=0.5)
+    assert t.get("a").step == 9  # type: ignore[union-attr]
+    assert t.age_s("a", now=103.0) == 0.5
+
+
+def test_relayed_record_older_than_ttl_is_ignored() -> None:
+    t = PeerTable("me", ttl_s=10)
+    assert t.observe(rec("a"), now=100.0, age_s=11.0) is False
+    assert "a" not in t
+
+
+def test_relays_keep_no_one_alive_forever() -> None:
+    # two tables relaying to each other: "a" stops heartbeating at t=0
+    x, y = PeerTable("x", ttl_s=5), PeerTable("y", ttl_s=5)
+    x.observe(rec("a"), now=0.0)
+    for now in range(1, 12):
+        for r in x.for_exchange(float(now)):
+            y.observe(r, float(now), r.age_s)
+        for r in y.for_exchange(float(now)):
+            x.observe(r, float(now), r.age_s)
+        x.expire(float(now))
+        y.expire(float(now))
+    assert "a" not in x and "a" not in y
+
+
+def test_leave_tombstone_blocks_stale_relays() -> None:
+    t = PeerTable("me", ttl_s=10)
+    t.observe(rec("a"), now=0.0)
+    assert t.remove("a", now=5.0) is True
+    assert t.observe(rec("a"), now=6.0, age_s=2.0) is False  # heard at 4.0, before it left
+    assert t.observe(rec("a"), now=7.0) is True  # it came back: direct contact after leaving
+
+
+def test_replicas_and_stage_counts() -> None:
+    t = PeerTable("me", ttl_s=10)
+    t.observe(rec("a", stage=1), 0.0)
+    t.observe(rec("b", stage=1, ready=False), 0.0)
+    t.observe(rec("c", stage=2, leaving=True), 0.0)
+    t.observe(rec("d", stage=-1, ready=False), 0.0)
+    assert [r.peer_id for r in t.replicas(1)] == ["a"]
+    assert {r.peer_id for r in t.replicas(1, ready_only=False)} == {"a", "b"}
+    assert t.replicas(2) == []
+    assert t.stage_counts(4) == {0: 0, 1: 2, 2: 0, 3: 0}
+    assert t.stage_counts(4, extra=[3]) == {0: 0, 1: 2, 2: 0, 3: 1}

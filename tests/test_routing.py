@@ -1,0 +1,79 @@
+"""SWARM routing policy: weights, frequencies for a fixed seed, bans, exclusions."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from protocol.messages import PeerRecord
+from swarm.routing import PeerStats, Router, route_weights
+
+
+def rec(pid: str, throughput: float = 0.0, queue: int = 0) -> PeerRecord:
+    return PeerRecord(peer_id=pid, address=f"h:{pid}", stage=1, ready=True, throughput=throughput, queue=queue)
+
+
+def test_weights_are_rate_over_work_ahead() -> None:
+    peers = [rec("a", 10.0, queue=0), rec("b", 10.0, queue=4), rec("c", 30.0)]
+    stats = {"c": PeerStats(num_in_flight=2)}
+    assert route_weights(peers, stats, now=0.0) == pytest.approx([10.0, 2.0, 10.0])
+
+
+def test_unmeasured_peer_is_probed_at_the_best_known_rate() -> None:
+    assert route_weights([rec("a", 5.0), rec("new")], {}, 0.0) == [5.0, 5.0]
+    assert route_weights([rec("x"), rec("y")], {}, 0.0) == [1.0, 1.0]
+
+
+def test_banned_peer_has_zero_weight_until_ban_ends() -> None:
+    r = Router(random.Random(0), ban_s=10.0)
+    r.started("a")
+    r.finished("a", ok=False, now=100.0)
+    assert route_weights([rec("a", 1.0)], r.stats, now=105.0) == [0.0]
+    assert route_weights([rec("a", 1.0)], r.stats, now=110.5) == [1.0]
+
+
+def test_equal_peers_are_chosen_uniformly() -> None:
+    r = Router(random.Random(42))
+    peers = [rec(p, 10.0) for p in "abcd"]
+    counts = Counter(r.choose(peers, 0.0).peer_id for _ in range(8000))  # type: ignore[union-attr]
+    assert set(counts) == set("abcd")
+    for n in counts.values():
+        assert abs(n / 8000 - 0.25) < 0.03
+
+
+def test_faster_peer_gets_proportionally_more() -> None:
+    r = Router(random.Random(7))
+    peers = [rec("slow", 10.0), rec("fast", 30.0)]
+    counts = Counter(r.choose(peers, 0.0).peer_id for _ in range(8000))  # type: ignore[union-attr]
+    assert abs(counts["fast"] / 8000 - 0.75) < 0.03
+
+
+def test_fixed_seed_gives_fixed_route() -> None:
+    peers = [rec(p, 1.0 + i) for i, p in enumerate("abc")]
+    a = [Router(random.Random(3)).choose(peers, 0.0).peer_id for _ in range(1)]  # type: ignore[union-attr]
+    b = [Router(random.Random(3)).choose(peers, 0.0).peer_id for _ in range(1)]  # type: ignore[union-attr]
+    assert a == b
+
+
+def test_exclude_and_all_banned_fallback() -> None:
+    r = Router(random.Random(0), ban_s=10.0)
+    peers = [rec("a", 1.0), rec("b", 1.0)]
+    assert r.choose(peers, 0.0, exclude={"a"}).peer_id == "b"  # type: ignore[union-attr]
+    assert r.choose(peers, 0.0, exclude={"a", "b"}) is None
+    r.finished("a", ok=False, now=0.0)
+    r.finished("b", ok=False, now=1.0)
+    # everyone banned: retry the one banned longest ago instead of giving up
+    assert r.choose(peers, 2.0).peer_id == "a"  # type: ignore[union-attr]
+
+
+def test_success_clears_failures_and_tracks_latency() -> None:
+    r = Router(random.Random(0), ema=0.5)
+    r.started("a")
+    r.finished("a", ok=False, now=0.0)
+    r.started("a")
+    r.finished("a", ok=True, now=1.0, latency_s=0.2)
+    r.started("a")
+    r.finished("a", ok=True, now=1.0, latency_s=0.4)
+    s = r.stats["a"]
+    assert s.num_failures == 0 and s.num_in_flight == 0
+    assert s.latency_ema_s == pytest.approx(0.3)
