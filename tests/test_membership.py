@@ -52,7 +52,9 @@ class FakeTransport:
         raise AssertionError(msg)
 
 
-def make(net: FakeNet, clock: FakeClock, i: int, swarm: str = "s", fp: str = "f") -> MembershipService:
+def make(
+    net: FakeNet, clock: FakeClock, i: int, swarm: str = "s", fp: str = "f"
+) -> MembershipService:
     address = f"10.0.0.{i}:7070"
     record = PeerRecord(peer_id=f"p{i}", address=address, stage=i % 3, ready=True)
     svc = MembershipService(

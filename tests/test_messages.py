@@ -36,7 +36,14 @@ def test_every_message_type_round_trips() -> None:
         Hello(swarm="s", fingerprint="f", sender=rec, peers=[rec]),
         Welcome(swarm="s", fingerprint="f", sender=rec, peers=[], observed_host="9.9.9.9"),
         Leave(peer_id="ab"),
-        Forward(mb_id="m", target_stage=2, path=path, eval=False, meta={"codec": "bf16"}, tensors={"h": h}),
+        Forward(
+            mb_id="m",
+            target_stage=2,
+            path=path,
+            eval=False,
+            meta={"codec": "bf16"},
+            tensors={"h": h},
+        ),
         Backward(mb_id="m", index=1, path=path, meta={}, tensors={"g": h}),
         Ack(),
         Error(code="busy", message="queue full"),
@@ -54,7 +61,9 @@ def test_every_message_type_round_trips() -> None:
 
 
 def test_nested_records_become_dataclasses() -> None:
-    out = roundtrip(Forward(mb_id="m", target_stage=1, path=[Hop(0, "h", "a:1")], eval=True, meta={}))
+    out = roundtrip(
+        Forward(mb_id="m", target_stage=1, path=[Hop(0, "h", "a:1")], eval=True, meta={})
+    )
     assert isinstance(out, Forward) and out.path == [Hop(0, "h", "a:1")]
 
 

@@ -5,7 +5,9 @@ from swarm.peers import PeerTable
 
 
 def rec(pid: str, stage: int = 1, ready: bool = True, **kw: object) -> PeerRecord:
-    return PeerRecord(peer_id=pid, address=f"10.0.0.1:{7000 + len(pid)}", stage=stage, ready=ready, **kw)  # type: ignore[arg-type]
+    return PeerRecord(
+        peer_id=pid, address=f"10.0.0.1:{7000 + len(pid)}", stage=stage, ready=ready, **kw
+    )  # type: ignore[arg-type]
 
 
 def test_observe_new_and_ignores_self() -> None:

@@ -10,7 +10,9 @@ from swarm.routing import PeerStats, Router, route_weights
 
 
 def rec(pid: str, throughput: float = 0.0, queue: int = 0) -> PeerRecord:
-    return PeerRecord(peer_id=pid, address=f"h:{pid}", stage=1, ready=True, throughput=throughput, queue=queue)
+    return PeerRecord(
+        peer_id=pid, address=f"h:{pid}", stage=1, ready=True, throughput=throughput, queue=queue
+    )
 
 
 def test_weights_are_rate_over_work_ahead() -> None:

@@ -1,0 +1,254 @@
+"""Command line: ``node join``, ``node status``, ``node demo`` (also ``murmur`` / ``python -m node``).
+
+Owns argument parsing, user-facing output and exit codes. Flags are what a volunteer types;
+everything else lives in the TOML config file (``--config``), the environment
+(``MURMUR_SECTION_FIELD``) or, for one-off experiments, ``--set section.field=value``.
+``node join --help-config`` lists every setting with its default and meaning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from node.config import Config, field_docs, resolve_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="node",
+        description="Murmuration: train one model on many volunteers' machines.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    j = sub.add_parser("join", help="run a daemon that serves one stage of the swarm's model")
+    j.add_argument(
+        "--stage", help="'auto' (default: the stage with the fewest replicas) or K (0 = head)"
+    )
+    j.add_argument(
+        "--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:7070)"
+    )
+    j.add_argument("--announce", metavar="HOST", help="address peers should use to reach this node")
+    j.add_argument(
+        "--bootstrap", metavar="HOST:PORT[,...]", help="known peers, for swarms beyond the LAN"
+    )
+    j.add_argument("--swarm", metavar="NAME", help="swarm name; only peers of the same swarm talk")
+    j.add_argument("--config", metavar="FILE.toml", help="configuration file")
+    j.add_argument("--device", help="torch device for this stage (cpu, cuda, cuda:1)")
+    j.add_argument(
+        "--data",
+        metavar="PATH",
+        help=".txt/.jsonl file, directory or glob (default: embedded corpus)",
+    )
+    j.add_argument(
+        "--state-dir", metavar="DIR", help="keep this node's identity here across restarts"
+    )
+    j.add_argument(
+        "--no-zeroconf", action="store_true", help="do not announce or browse on the LAN"
+    )
+    j.add_argument("--log-level", help="debug, info, warning, error")
+    j.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one setting (repeatable)",
+    )
+    j.add_argument("--help-config", action="store_true", help="list every setting and exit")
+    j.set_defaults(func=_cmd_join)
+
+    s = sub.add_parser("status", help="show a running node's view of the swarm")
+    s.add_argument("address", metavar="ADDRESS", help="HOST:PORT of the node")
+    s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.set_defaults(func=_cmd_status)
+
+    d = sub.add_parser("demo", help="start a local swarm on this machine, train, print a summary")
+    d.add_argument("--block-stages", type=int, default=3, help="block stages (default 3)")
+    d.add_argument(
+        "--replicas", type=int, default=1, help="replicas of each block stage (default 1)"
+    )
+    d.add_argument("--heads", type=int, default=1, help="head-stage nodes (default 1)")
+    d.add_argument(
+        "--budget-s", type=float, default=180.0, help="training time in seconds (default 180)"
+    )
+    d.add_argument("--port", type=int, default=0, help="first port (default: free ports)")
+    d.add_argument("--config", metavar="FILE.toml", help="configuration file passed to every node")
+    d.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one setting in every node",
+    )
+    d.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    d.add_argument("--logs", metavar="DIR", help="write each node's log here (default: a temp dir)")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"--set expects SECTION.FIELD=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def join_config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = parse_sets(args.set)
+    flags = {
+        "node.stage": args.stage,
+        "net.listen": args.listen,
+        "net.announce": args.announce,
+        "net.bootstrap": args.bootstrap,
+        "swarm.name": args.swarm,
+        "node.device": args.device,
+        "data.path": args.data,
+        "node.state_dir": args.state_dir,
+        "node.log_level": args.log_level,
+        "net.zeroconf": False if args.no_zeroconf else None,
+    }
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    return resolve_config(args.config, os.environ, overrides)
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    if args.help_config:
+        for key, default, doc in field_docs():
+            print(f"{key} = {default}\n    {doc}")
+        return 0
+    config = join_config(args)
+    from node.logs import setup_logging
+
+    setup_logging(config.node.log_level)
+    asyncio_run(_serve(config))
+    return 0
+
+
+def load_identity(state_dir: str) -> str | None:
+    """The peer id kept in ``state_dir`` (created on first use); None without a state dir."""
+    if not state_dir:
+        return None
+    path = Path(state_dir) / "peer_id"
+    if path.is_file():
+        return path.read_text().strip()
+    import secrets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    peer_id = secrets.token_hex(8)
+    path.write_text(peer_id + "\n")
+    return peer_id
+
+
+async def _serve(config: Config) -> None:
+    from node.daemon import Node
+    from node.logs import set_context
+
+    node = Node(config, load_identity(config.node.state_dir))
+    set_context(
+        lambda: f"{node.peer_id[:8]} s{node.stage} step {node.runner.step if node.runner else 0}"
+    )
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(130)  # second Ctrl-C: the user does not want to wait for the drain
+        node.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await node.serve()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def asyncio_run(coro: Any) -> Any:
+    """``asyncio.run`` on uvloop where installed (the one place the loop is chosen)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    url = address if address.startswith("http") else f"http://{address}"
+    try:
+        with urllib.request.urlopen(f"{url}/status", timeout=timeout_s) as resp:
+            data: dict[str, Any] = json.loads(resp.read())
+            return data
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"cannot reach a node at {address}: {e}") from None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    st = fetch_status(args.address)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(format_status(st))
+    return 0
+
+
+def format_status(st: dict[str, Any]) -> str:
+    role = "head" if st["stage"] == 0 else f"block stage {st['stage']}"
+    lines = [
+        f"node {st['peer_id']} at {st['address']}  swarm {st['swarm']} ({st['fingerprint']})",
+        f"  {role} of {st['num_stages']} stages, {'ready' if st['ready'] else 'joining'}"
+        f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
+        f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
+    ]
+    if st["stage"] == 0:
+        loss = "-" if st.get("loss") is None else f"{st['loss']:.3f}"
+        ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"
+        lines.append(
+            f"  loss {loss}, eval loss {ev}, {st['tokens']} tokens, {st['tokens_per_s']:.0f} tokens/s"
+        )
+    lines.append("  peers:")
+    for stage, peers in sorted(st["peers"].items(), key=lambda kv: int(kv[0])):
+        if int(stage) < 0:
+            continue
+        lines.append(f"    stage {stage}: {len(peers)} peer(s)" + ("" if peers else "  <- none"))
+        for p in peers:
+            lines.append(
+                f"      {p['peer_id']}  {p['address']:<21} step {p['step']:<6} "
+                f"{p['throughput']:>7.1f}/s  queue {p['queue']}  seen {p['age_s']:.1f}s ago"
+            )
+    return "\n".join(lines)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from node.demo import run_demo
+
+    return run_demo(args)

@@ -1,0 +1,299 @@
+"""Configuration: one frozen dataclass tree, resolved once at start-up.
+
+Precedence, lowest first: defaults < TOML file (``--config``) < environment
+(``MURMUR_<SECTION>_<FIELD>``, e.g. ``MURMUR_TRAIN_LR=1e-3``) < command-line flags. Nothing
+else in the project reads ``os.environ``. Each service receives only its own sub-config.
+Every field is documented by the string under it; ``node join --help-config`` prints them.
+The model section starts from the preset named by ``swarm.model`` and then applies overrides.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from node.data import DataConfig
+from node.model import ModelConfig, preset
+from swarm.membership import MembershipConfig
+
+ENV_PREFIX = "MURMUR_"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    stage: str = "auto"
+    """Stage to serve: "auto" (the stage with the fewest live replicas) or a number (0 = head)."""
+    device: str = "cpu"
+    """Torch device for this node's stage ("cpu", "cuda", "cuda:1")."""
+    threads: int = 1
+    """Torch intra-op threads of the compute thread (one node per core is the usual layout)."""
+    state_dir: str = ""
+    """Directory for this node's identity and state; empty: a fresh identity each start."""
+    join_wait_s: float = 2.0
+    """How long a joining node listens for peers before choosing a stage and fetching state."""
+    drain_s: float = 3.0
+    """On SIGINT/SIGTERM, how long to finish in-flight work before exiting."""
+    log_level: str = "info"
+    """Logging level: debug, info, warning, error."""
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    listen: str = "0.0.0.0:7070"
+    """HOST:PORT to serve on; port 0 picks a free port."""
+    announce: str = ""
+    """Address peers should use to reach this node (HOST or HOST:PORT); empty: derived."""
+    bootstrap: tuple[str, ...] = ()
+    """HOST:PORT of known peers, for swarms beyond the LAN."""
+    zeroconf: bool = True
+    """Announce and browse the swarm on the LAN with zeroconf (mDNS)."""
+    zeroconf_interfaces: tuple[str, ...] = ()
+    """IPv4 addresses zeroconf binds to; empty: every interface."""
+    max_frame_bytes: int = 1 << 30
+    """Largest request body accepted; larger ones are refused before they are read."""
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    name: str = "murmuration"
+    """Swarm name: only peers with the same name and model fingerprint talk to each other."""
+    model: str = "tiny"
+    """Model preset (tiny, small, 125m); the [model] section overrides single fields."""
+    num_block_stages: int = 3
+    """Number of block stages N (the model is cut into 1 + N stages)."""
+    seed: int = 0
+    """Swarm seed: initial weights are a pure function of it, so replicas start identical."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 3e-3
+    """Peak learning rate of the inner Adam optimizer."""
+    warmup_steps: int = 30
+    """Linear warm-up steps, then cosine decay."""
+    total_steps: int = 3000
+    """Steps of the cosine schedule; it decays to lr * min_lr_ratio and stays there."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    clip_norm: float = 1.0
+    """Gradient clipping: maximum global L2 norm per inner step."""
+    step_samples: int = 32
+    """Samples whose gradients a replica accumulates before one inner optimizer step."""
+    compute_dtype: str = "float32"
+    """Matmul dtype: float32 or bfloat16 (norms, softmax and loss stay fp32)."""
+    wire_codec: str = "bf16"
+    """Activation and gradient encoding on the wire: fp32, bf16 or int8 (blockwise)."""
+    max_in_flight: int = 6
+    """Microbatches a head node keeps in the pipeline at once."""
+    max_queue: int = 32
+    """Jobs a node accepts before it answers "busy" (memory bound)."""
+    hop_timeout_s: float = 10.0
+    """Deadline for a peer to accept one hop."""
+    hop_retries: int = 3
+    """Other replicas tried when a hop fails, before the microbatch is dropped at that hop."""
+    microbatch_deadline_s: float = 30.0
+    """The head re-issues a microbatch not completed within this time."""
+    max_attempts: int = 3
+    """Issues of one microbatch (first plus re-issues) before it is dropped."""
+    activation_ttl_s: float = 60.0
+    """Saved activations whose gradient never arrives are freed after this time."""
+    eval_interval_s: float = 30.0
+    """Seconds between evaluations on the held-out split (head nodes); 0 disables."""
+    eval_batches: int = 4
+    """Microbatches per evaluation."""
+    compute_delay_s: float = 0.0
+    """Artificial delay added to every forward (tests and benchmarks of slow peers)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+
+
+def resolve_config(
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults < TOML ``file`` < ``env`` < ``overrides`` (``{"section.field": value}``)."""
+    layered: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from e
+        for section, values in tree.items():
+            if not isinstance(values, dict):
+                raise ValueError(f"{path}: top-level key {section!r} must be a [section]")
+            layered.update({f"{section}.{k}": v for k, v in values.items()})
+    for key, raw in (env or {}).items():
+        if key.startswith(ENV_PREFIX):
+            section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+            layered[f"{section}.{name}"] = _parse_env(raw)
+    layered.update({k: v for k, v in (overrides or {}).items() if v is not None})
+
+    sections = {f.name: f.type for f in fields(Config)}
+    by_section: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    for key, value in layered.items():
+        section, _, name = key.partition(".")
+        if section not in by_section:
+            raise ValueError(f"unknown config section {section!r}{_suggest(section, sections)}")
+        by_section[section][name] = value
+    swarm = _build(SwarmConfig(), "swarm", by_section["swarm"])
+    built = {
+        name: _build(preset(swarm.model) if name == "model" else _default(name), name, values)
+        for name, values in by_section.items()
+    }
+    config = Config(**built)
+    _validate(config)
+    return config
+
+
+def describe(config: Config) -> dict[str, dict[str, Any]]:
+    """The resolved config as plain data, for the start-up log and ``/status``."""
+    return dataclasses.asdict(config)
+
+
+def field_docs() -> list[tuple[str, str, str]]:
+    """``(section.field, default, doc)`` for every setting, read from the docstrings."""
+    out = []
+    for section in fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        docs = _docstrings(cls)
+        default = _default(section.name)
+        for f in fields(cls):
+            out.append(
+                (f"{section.name}.{f.name}", repr(getattr(default, f.name)), docs.get(f.name, ""))
+            )
+    return out
+
+
+def _default(section: str) -> Any:
+    return typing.get_type_hints(Config)[section]()
+
+
+def _build(base: Any, section: str, values: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(type(base))
+    kwargs = {}
+    for name, value in values.items():
+        if name not in hints:
+            raise ValueError(f"unknown setting {section}.{name}{_suggest(name, hints)}")
+        kwargs[name] = _coerce(value, hints[name], f"{section}.{name}")
+    return replace(base, **kwargs)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    try:
+        if origin is tuple:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            args = typing.get_args(hint)
+            item_type = args[0]
+            items = [i.strip() if isinstance(i, str) else i for i in items if i != ""]
+            return tuple(_coerce(i, item_type, where) for i in items)
+        if hint in (str, "str"):
+            return str(value)
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if hint is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if hint is float:
+            return float(value)
+        if typing.get_origin(hint) is not None or hint is type(None):
+            return None if value in (None, "") else str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"setting {where}: cannot use {value!r} as {hint}") from None
+    return value
+
+
+def _parse_env(raw: str) -> Any:
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def _suggest(name: str, options: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(options)}"
+
+
+def _validate(c: Config) -> None:
+    if c.node.stage != "auto" and not (
+        c.node.stage.isdigit() and 0 <= int(c.node.stage) <= c.swarm.num_block_stages
+    ):
+        raise ValueError(
+            f"--stage must be 'auto' or a number 0..{c.swarm.num_block_stages}, got {c.node.stage!r}"
+        )
+    if c.model.num_blocks % c.swarm.num_block_stages:
+        raise ValueError(
+            f"the {c.swarm.model} model has {c.model.num_blocks} blocks, which cannot be split "
+            f"into {c.swarm.num_block_stages} equal block stages"
+        )
+    if c.train.compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"train.compute_dtype must be float32 or bfloat16, not {c.train.compute_dtype!r}"
+        )
+    if c.train.wire_codec not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"train.wire_codec must be fp32, bf16 or int8, not {c.train.wire_codec!r}")
+    if c.data.seq_len > c.model.max_seq_len:
+        raise ValueError(
+            f"data.seq_len {c.data.seq_len} exceeds model.max_seq_len {c.model.max_seq_len}"
+        )
+    parse_hostport(c.net.listen, "net.listen")
+    for b in c.net.bootstrap:
+        parse_hostport(b, "net.bootstrap")
+
+
+def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)`` with a clear error for anything else."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT, got {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _docstrings(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal right under each field) of a dataclass."""
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for prev, node in zip(body, body[1:], strict=False):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs

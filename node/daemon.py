@@ -1,0 +1,584 @@
+"""The daemon: one node's lifecycle, request handling and microbatch hops.
+
+Owns the start-up order (server, membership and discovery, join a stage, load its state,
+serve), the aiohttp handlers, the compute queue (backward before forward, bounded), sending
+each finished microbatch to its next hop with retries on other replicas, and an orderly
+shutdown (tell peers, refuse new work, finish what is queued, exit within ``drain_s``).
+
+One process, one event loop, one compute thread (``node.runner``). The head stage's own
+work, issuing microbatches and evaluating, lives in ``node.trainer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from node.config import Config, describe, parse_hostport
+from node.model import model_fingerprint
+from node.runner import StageRunner
+from node.transport import RPC_PATH, HttpTransport, frame_response, read_frame
+from protocol.errors import ProtocolError
+from protocol.frames import Limits
+from protocol.messages import (
+    Ack,
+    Backward,
+    Error,
+    FetchState,
+    Forward,
+    Hello,
+    Hop,
+    Leave,
+    Message,
+    PeerRecord,
+    StageState,
+    expect,
+)
+from protocol.quant import decode_tensor, encode_tensor
+from swarm.assignment import choose_stage
+from swarm.discovery import ZeroconfDiscovery, announce_addresses, outbound_address
+from swarm.membership import MembershipService
+from swarm.peers import PeerTable
+from swarm.routing import Router
+from swarm.seams import MonotonicClock, Refused, TransportError
+
+log = logging.getLogger(__name__)
+
+Job = Callable[[], Awaitable[Callable[[], Awaitable[None]] | None]]
+"""A unit of queued work: computes, then returns the network send to run after it (or None)."""
+
+_PRIORITY = {"backward": 0, "loss": 1, "forward": 2}
+
+
+class Node:
+    """A swarm node serving one stage."""
+
+    def __init__(self, config: Config, peer_id: str | None = None) -> None:
+        self.config = config
+        self.peer_id = peer_id or secrets.token_hex(8)
+        self.num_stages = config.swarm.num_block_stages + 1
+        self.fingerprint = model_fingerprint(
+            config.model, config.swarm.num_block_stages, config.swarm.seed
+        )
+        self.stage = -1
+        self.ready = False
+        self.leaving = False
+        self.address = ""
+        self.started_s = time.monotonic()
+        self.clock = MonotonicClock()
+        self.rng = random.Random(self.peer_id)
+        self.limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
+        self.transport = HttpTransport(self.limits)
+        self.table = PeerTable(self.peer_id, config.membership.ttl_s)
+        self.router = Router(self.rng)
+        self.membership = MembershipService(
+            config.membership,
+            swarm=config.swarm.name,
+            fingerprint=self.fingerprint,
+            table=self.table,
+            transport=self.transport,
+            clock=self.clock,
+            self_record=self.record,
+            rng=self.rng,
+        )
+        self.runner: StageRunner | None = None
+        self.trainer: Any = None  # node.trainer.HeadTrainer on stage 0
+        self.discovery: ZeroconfDiscovery | None = None
+        self.counters: Counter[str] = Counter()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Job]] = asyncio.PriorityQueue()
+        self._seq = 0
+        self._busy = 0
+        self._stop = asyncio.Event()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._spawned: set[asyncio.Task[None]] = set()
+        self._site_runner: web.AppRunner | None = None
+        self._log_times: dict[str, float] = {}
+
+    # ---- identity and status ------------------------------------------------------------
+
+    def record(self) -> PeerRecord:
+        r = self.runner
+        return PeerRecord(
+            peer_id=self.peer_id,
+            address=self.address,
+            stage=self.stage,
+            step=r.step if r else 0,
+            throughput=r.service_rate if r else 0.0,
+            queue=self._queue.qsize(),
+            ready=self.ready and not self.leaving,
+            leaving=self.leaving,
+            grad_norm=r.thermo.grad_norm if r else 0.0,
+            loss=self.trainer.last_loss if self.trainer else None,
+        )
+
+    def status(self) -> dict[str, Any]:
+        """This node's view of the swarm, for ``node status`` and the demo."""
+        now = self.clock.now()
+        peers: dict[str, list[dict[str, Any]]] = {str(s): [] for s in range(self.num_stages)}
+        for p in sorted(self.table.records(), key=lambda p: (p.stage, p.peer_id)):
+            peers.setdefault(str(p.stage), []).append(
+                {
+                    "peer_id": p.peer_id,
+                    "address": p.address,
+                    "step": p.step,
+                    "throughput": round(p.throughput, 2),
+                    "queue": p.queue,
+                    "ready": p.ready,
+                    "age_s": round(self.table.age_s(p.peer_id, now) or 0.0, 2),
+                }
+            )
+        r = self.runner
+        out: dict[str, Any] = {
+            "peer_id": self.peer_id,
+            "address": self.address,
+            "swarm": self.config.swarm.name,
+            "fingerprint": self.fingerprint,
+            "stage": self.stage,
+            "num_stages": self.num_stages,
+            "ready": self.ready,
+            "leaving": self.leaving,
+            "uptime_s": round(time.monotonic() - self.started_s, 1),
+            "step": r.step if r else 0,
+            "samples": r.samples if r else 0,
+            "throughput": round(r.service_rate, 2) if r else 0.0,
+            "queue": self._queue.qsize(),
+            "grad_norm": r.thermo.grad_norm if r else 0.0,
+            "act_max": r.thermo.act_max if r else 0.0,
+            "act_min": r.thermo.act_min if r else 0.0,
+            "counters": dict(self.counters),
+            "peers": peers,
+        }
+        if self.trainer is not None:
+            out.update(self.trainer.status())
+        return out
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve(self) -> None:
+        """Run until ``request_stop``; then shut down in order."""
+        await self.transport.start()
+        await self._start_server()
+        log.info("config: %s", describe(self.config))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tasks = tg
+                background = [tg.create_task(self.membership.run())]
+                await self._start_discovery()
+                joined = tg.create_task(self._join())
+                stopped = tg.create_task(self._stop.wait())
+                await asyncio.wait([joined, stopped], return_when=asyncio.FIRST_COMPLETED)
+                if joined.done() and not joined.exception():
+                    background += [
+                        tg.create_task(self._worker()),
+                        tg.create_task(self._housekeeping()),
+                    ]
+                    if self.trainer is not None:
+                        background.append(tg.create_task(self.trainer.run()))
+                    await stopped
+                joined.cancel()
+                await self._shutdown()
+                for task in [*background, *self._spawned]:
+                    task.cancel()
+        finally:
+            await self._close()
+
+    async def _start_server(self) -> None:
+        app = web.Application(client_max_size=self.config.net.max_frame_bytes)
+        app.router.add_post(RPC_PATH, self._handle_rpc)
+        app.router.add_get("/status", self._handle_status)
+        app.router.add_post("/eval", self._handle_eval)
+        self._site_runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._site_runner.setup()
+        host, port = parse_hostport(self.config.net.listen, "net.listen")
+        site = web.TCPSite(self._site_runner, host, port, reuse_address=True)
+        await site.start()
+        server = site._server
+        assert server is not None and server.sockets
+        bound_port = server.sockets[0].getsockname()[1]
+        self.address = f"{self._announce_host(host)}:{bound_port}"
+        log.info(
+            "node %s listening on %s:%d, announcing %s",
+            self.peer_id,
+            host,
+            bound_port,
+            self.address,
+        )
+
+    def _announce_host(self, listen_host: str) -> str:
+        announce = self.config.net.announce
+        if announce:
+            return announce.rpartition(":")[0] if ":" in announce else announce
+        if listen_host not in ("0.0.0.0", "", "::"):
+            return listen_host
+        if self.config.net.bootstrap:
+            host, port = parse_hostport(self.config.net.bootstrap[0])
+            return outbound_address(host, port)
+        return announce_addresses(listen_host)[0]
+
+    async def _start_discovery(self) -> None:
+        self.membership.add_bootstrap(list(self.config.net.bootstrap))
+        if not self.config.net.zeroconf:
+            return
+        host, port = self.address.rsplit(":", 1)
+        listen_host, _ = parse_hostport(self.config.net.listen)
+        addresses = (
+            [host] if listen_host not in ("0.0.0.0", "") else announce_addresses(listen_host)
+        )
+        self.discovery = ZeroconfDiscovery(
+            swarm=self.config.swarm.name,
+            fingerprint=self.fingerprint,
+            peer_id=self.peer_id,
+            port=int(port),
+            addresses=addresses,
+            interfaces=list(self.config.net.zeroconf_interfaces) or None,
+            on_sighting=lambda s: self.membership.add_address(s.best_address()),
+        )
+        try:
+            await self.discovery.start()
+        except OSError as e:
+            log.warning("zeroconf unavailable (%s); relying on bootstrap addresses", e)
+            self.discovery = None
+
+    async def _join(self) -> None:
+        """Listen for the swarm, pick a stage, get its weights, start serving."""
+        await asyncio.sleep(self.config.node.join_wait_s)
+        if self.config.node.stage == "auto":
+            counts = self.table.stage_counts(self.num_stages)
+            self.stage = choose_stage(counts, self.rng)
+            log.info("stage auto: replicas per stage %s -> joining stage %d", counts, self.stage)
+        else:
+            self.stage = int(self.config.node.stage)
+        self.runner = StageRunner(self.config, self.stage)
+        await self.runner.start()
+        if self.stage == 0:
+            from node.trainer import HeadTrainer
+
+            self.trainer = HeadTrainer(self)
+            await self.trainer.prepare()
+        await self._fetch_state()
+        self.ready = True
+        log.info("serving stage %d (step %d)", self.stage, self.runner.step)
+
+    async def _fetch_state(self) -> None:
+        """Copy the weights of the most advanced live replica of our stage, if there is one."""
+        assert self.runner is not None
+        sources = sorted(self.table.replicas(self.stage), key=lambda p: -p.step)
+        for peer in sources:
+            try:
+                reply = await self.transport.request(
+                    peer.address, FetchState(stage=self.stage), timeout_s=60.0
+                )
+                state = expect(reply, StageState)
+                await self.runner.run(self.runner.load, state.tensors, state.step, state.samples)
+            except (TransportError, ValueError) as e:
+                log.warning("state fetch from %s failed: %s", peer.peer_id[:8], e)
+                continue
+            log.info(
+                "copied stage %d state (step %d) from %s", self.stage, state.step, peer.peer_id[:8]
+            )
+            return
+        log.info(
+            "no live replica of stage %d: starting from the seed's initial weights", self.stage
+        )
+
+    async def _shutdown(self) -> None:
+        log.info("leaving the swarm")
+        self.leaving = True
+        await self.membership.leave_all(timeout_s=1.0)
+        deadline = time.monotonic() + self.config.node.drain_s
+        while self._unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._unfinished():
+            log.warning("exiting with %d jobs or sends unfinished", self._unfinished())
+
+    def _unfinished(self) -> int:
+        return self._queue.qsize() + self._busy + len(self._spawned)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task owned by the node: drained, then cancelled, at shutdown."""
+        assert self._tasks is not None
+        task = self._tasks.create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+
+    async def _close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.transport.close()
+        if self._site_runner is not None:
+            await self._site_runner.cleanup()
+        if self.runner is not None:
+            self.runner.close()
+
+    # ---- the compute queue --------------------------------------------------------------
+
+    def enqueue(self, kind: str, job: Job) -> None:
+        if self._queue.qsize() >= self.config.train.max_queue:
+            raise Refused("busy", f"queue full ({self._queue.qsize()} jobs)", 503)
+        self._seq += 1
+        self._queue.put_nowait((_PRIORITY[kind], self._seq, job))
+
+    async def _worker(self) -> None:
+        """Run queued jobs one at a time; their sends overlap with the next computation."""
+        while True:
+            _, _, job = await self._queue.get()
+            self._busy += 1
+            try:
+                send = await job()
+                if send is not None:
+                    self.spawn(self._guard(send))
+            except Exception:
+                self.counters["job_errors"] += 1
+                log.exception("job failed")
+            finally:
+                self._busy -= 1
+
+    async def _guard(self, send: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await send()
+        except Exception:
+            self.counters["send_errors"] += 1
+            log.exception("send failed")
+
+    async def _housekeeping(self) -> None:
+        assert self.runner is not None
+        while True:
+            await asyncio.sleep(1.0)
+            freed = await self.runner.run(self.runner.expire_saved, time.monotonic())
+            if freed:
+                self.counters["activations_expired"] += freed
+                log.info("freed %d saved activations whose gradient never came", freed)
+
+    # ---- handlers -----------------------------------------------------------------------
+
+    async def _handle_rpc(self, request: web.Request) -> web.Response:
+        peer_host = request.remote or "?"
+        try:
+            msg = await read_frame(request, self.limits)
+            reply = await self._dispatch(msg, peer_host)
+        except ProtocolError as e:
+            return self._refuse(e.code, str(e), e.http_status, peer_host)
+        except Refused as e:
+            return self._refuse(e.code, e.message, e.http_status, peer_host)
+        return frame_response(reply)
+
+    def _refuse(self, code: str, message: str, status: int, peer_host: str) -> web.Response:
+        self.counters[f"rejected_{code}"] += 1
+        self.log_limited(
+            code, logging.WARNING, "refused request from %s: %s: %s", peer_host, code, message
+        )
+        return frame_response(Error(code=code, message=message), status=status)
+
+    async def _dispatch(self, msg: Message, peer_host: str) -> Message:
+        if isinstance(msg, Hello):
+            return self.membership.handle_hello(msg, peer_host)
+        if isinstance(msg, Leave):
+            self.membership.handle_leave(msg)
+            self.router.forget(msg.peer_id)
+            return Ack()
+        if isinstance(msg, Forward):
+            return self._on_forward(msg)
+        if isinstance(msg, Backward):
+            return self._on_backward(msg)
+        if isinstance(msg, FetchState):
+            return await self._on_fetch_state(msg)
+        raise Refused("unexpected_message", f"{msg.TYPE!r} is not a request", 400)
+
+    def _check_serving(self) -> None:
+        if self.leaving:
+            raise Refused("leaving", "this node is shutting down", 503)
+        if not self.ready:
+            raise Refused("not_ready", "this node has not finished joining", 503)
+
+    def _activation(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> torch.Tensor:
+        """Decode and check an incoming activation or gradient: [B, T, d_model], finite."""
+        x = decode_tensor(tensors, meta)
+        d = self.config.model.d_model
+        if x.dim() != 3 or x.shape[2] != d or not 0 < x.shape[1] <= self.config.model.max_seq_len:
+            raise Refused(
+                "bad_shape",
+                f"expected [batch, seq<={self.config.model.max_seq_len}, {d}], got {list(x.shape)}",
+                400,
+            )
+        if not bool(torch.isfinite(x).all()):
+            raise Refused("non_finite", "tensor contains NaN or infinite values", 400)
+        return x
+
+    def _on_forward(self, msg: Forward) -> Ack:
+        self._check_serving()
+        if msg.target_stage != self.stage:
+            raise Refused(
+                "wrong_stage", f"this node serves stage {self.stage}, not {msg.target_stage}"
+            )
+        if not msg.path or msg.path[0].stage != 0:
+            raise Refused("bad_path", "a forward's path must start at its head node", 400)
+        x = self._activation(msg.tensors, msg.meta)
+        if self.stage == 0:
+            self.enqueue("loss", self.trainer.loss_job(msg, x))
+        else:
+            self.enqueue("forward", self._forward_job(msg, x))
+        return Ack()
+
+    def _on_backward(self, msg: Backward) -> Ack:
+        self._check_serving()
+        if not 0 <= msg.index < len(msg.path) or msg.path[msg.index].peer_id != self.peer_id:
+            raise Refused(
+                "not_on_path", f"this node is not hop {msg.index} of microbatch {msg.mb_id}", 400
+            )
+        g = self._activation(msg.tensors, msg.meta)
+        if self.stage == 0:
+            self.enqueue("backward", self.trainer.backward_job(msg, g))
+            return Ack()
+        assert self.runner is not None
+        if not self.runner.has_saved(msg.mb_id):
+            raise Refused(
+                "unknown_microbatch",
+                f"no saved activations for {msg.mb_id} (expired or never seen)",
+                410,
+            )
+        self.enqueue("backward", self._backward_job(msg, g))
+        return Ack()
+
+    async def _on_fetch_state(self, msg: FetchState) -> StageState:
+        self._check_serving()
+        if msg.stage != self.stage:
+            raise Refused("wrong_stage", f"this node serves stage {self.stage}, not {msg.stage}")
+        assert self.runner is not None
+        tensors, step, samples = await self.runner.run(self.runner.snapshot)
+        return StageState(stage=self.stage, step=step, samples=samples, tensors=tensors)
+
+    async def _handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    async def _handle_eval(self, request: web.Request) -> web.Response:
+        if self.trainer is None or not self.ready:
+            return web.json_response(
+                {"error": "only a ready head-stage node evaluates"}, status=409
+            )
+        loss = await self.trainer.evaluate()
+        return web.json_response(
+            {"eval_loss": loss, "step": self.runner.step if self.runner else 0}
+        )
+
+    # ---- block-stage jobs ---------------------------------------------------------------
+
+    def _forward_job(self, msg: Forward, x: torch.Tensor) -> Job:
+        runner = self.runner
+        assert runner is not None
+        codec = self.config.train.wire_codec
+
+        def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            out = runner.block_forward(msg.mb_id, x, train=not msg.eval)
+            return encode_tensor(out, codec, name="h")
+
+        async def job() -> Callable[[], Awaitable[None]]:
+            tensors, meta = await runner.run(compute)
+            path = [*msg.path, Hop(self.stage, self.peer_id, self.address)]
+            nxt = self.stage + 1 if self.stage + 1 < self.num_stages else 0
+            out = Forward(
+                mb_id=msg.mb_id,
+                target_stage=nxt,
+                path=path,
+                eval=msg.eval,
+                meta=meta,
+                tensors=tensors,
+            )
+            if nxt == 0:
+                return lambda: self.send_to(path[0], out)
+            return lambda: self.send_to_stage(nxt, out)
+
+        return job
+
+    def _backward_job(self, msg: Backward, g: torch.Tensor) -> Job:
+        runner = self.runner
+        assert runner is not None
+        codec = self.config.train.wire_codec
+
+        def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            return encode_tensor(runner.block_backward(msg.mb_id, g), codec, name="g")
+
+        async def job() -> Callable[[], Awaitable[None]]:
+            tensors, meta = await runner.run(compute)
+            back = Backward(
+                mb_id=msg.mb_id, index=msg.index - 1, path=msg.path, meta=meta, tensors=tensors
+            )
+            return lambda: self.send_to(msg.path[msg.index - 1], back)
+
+        return job
+
+    # ---- sending hops -------------------------------------------------------------------
+
+    async def send_to(self, hop: Hop, msg: Message) -> bool:
+        """Send to one fixed peer (a microbatch's way home or back); False if it failed."""
+        if await self._request(hop.peer_id, hop.address, msg) is None:
+            return True
+        self.counters["hops_dropped"] += 1
+        return False
+
+    async def send_to_stage(self, stage: int, msg: Message) -> bool:
+        """Send to a replica of ``stage`` drawn by the router, retrying others on failure."""
+        tried: set[str] = set()
+        for attempt in range(self.config.train.hop_retries + 1):
+            peer = await self._pick(stage, tried)
+            if peer is None:
+                break
+            error = await self._request(peer.peer_id, peer.address, msg)
+            if error is None:
+                return True
+            self.counters["hop_retries"] += 1
+            if error != "busy":
+                tried.add(peer.peer_id)
+            await asyncio.sleep(0.05 * 2**attempt)
+        self.counters["hops_dropped"] += 1
+        self.log_limited(
+            f"drop{stage}",
+            logging.WARNING,
+            "no replica of stage %d took a microbatch; dropped",
+            stage,
+        )
+        return False
+
+    async def _pick(self, stage: int, tried: set[str]) -> PeerRecord | None:
+        """A replica of ``stage``; waits up to one hop timeout for one to appear."""
+        deadline = time.monotonic() + self.config.train.hop_timeout_s
+        while True:
+            peer = self.router.choose(self.table.replicas(stage), self.clock.now(), exclude=tried)
+            if peer is not None or time.monotonic() > deadline or self.leaving:
+                return peer
+            await asyncio.sleep(0.2)
+
+    async def _request(self, peer_id: str, address: str, msg: Message) -> str | None:
+        """Send one hop; ``None`` when the peer accepted it, else the error code."""
+        self.router.started(peer_id)
+        t0 = time.monotonic()
+        try:
+            expect(await self.transport.request(address, msg, self.config.train.hop_timeout_s), Ack)
+        except (TransportError, ValueError) as e:
+            code = e.code if isinstance(e, TransportError) else "bad_reply"
+            self.router.finished(peer_id, False, self.clock.now())
+            self.counters[f"send_failed_{code}"] += 1
+            self.log_limited(
+                f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e
+            )
+            return code
+        self.router.finished(peer_id, True, self.clock.now(), time.monotonic() - t0)
+        return None
+
+    def log_limited(self, key: str, level: int, fmt: str, *args: Any) -> None:
+        """Log at most once per 5 s per ``key`` (hostile or broken peers must not flood logs)."""
+        now = time.monotonic()
+        if now - self._log_times.get(key, -1e9) >= 5.0:
+            self._log_times[key] = now
+            log.log(level, fmt, *args)

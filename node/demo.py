@@ -1,0 +1,216 @@
+"""``node demo``: a real local swarm on loopback, trained for a fixed budget.
+
+Starts real ``node join`` processes (by default one head stage and three block stages),
+each on its own port of 127.0.0.1 with the first node as bootstrap (zeroconf off, so the
+demo never touches the LAN), prints live progress from the head node's status, asks it for
+a final evaluation when the budget is spent, stops every process it started (SIGTERM, then
+SIGKILL after a grace period), and prints a summary. ``--json`` puts the summary on the last
+line as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+
+from node.cli import fetch_status, parse_sets
+
+DEMO_SETTINGS = {
+    "node.join_wait_s": "1.0",
+    "train.eval_interval_s": "30",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LocalSwarm:
+    """Real ``node join`` processes on loopback, reaped on exit."""
+
+    def __init__(self, log_dir: Path, settings: dict[str, str], config: str | None = None) -> None:
+        self.log_dir = log_dir
+        self.settings = settings
+        self.config = config
+        self.swarm = f"demo-{secrets.token_hex(3)}"
+        self.procs: list[tuple[str, subprocess.Popen[bytes], IO[bytes]]] = []
+        self.addresses: list[str] = []
+
+    def start_node(self, stage: int | str, port: int = 0, extra: list[str] | None = None) -> str:
+        port = port or free_port()
+        address = f"127.0.0.1:{port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "node",
+            "join",
+            "--stage",
+            str(stage),
+            "--listen",
+            address,
+            "--swarm",
+            self.swarm,
+            "--no-zeroconf",
+        ]
+        if self.addresses:
+            cmd += ["--bootstrap", self.addresses[0]]
+        if self.config:
+            cmd += ["--config", self.config]
+        for key, value in self.settings.items():
+            cmd += ["--set", f"{key}={value}"]
+        cmd += extra or []
+        name = f"stage{stage}-{port}"
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc, log))
+        self.addresses.append(address)
+        return address
+
+    def dead(self) -> list[str]:
+        return [name for name, proc, _ in self.procs if proc.poll() is not None]
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
+        """SIGTERM everyone, wait, SIGKILL stragglers; returns each exit code."""
+        for _, proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes: dict[str, int | None] = {}
+        for name, proc, log in self.procs:
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                codes[name] = None
+            log.close()
+        return codes
+
+
+def wait_ready(address: str, timeout_s: float, swarm: LocalSwarm) -> dict[str, Any]:
+    """Poll a node until it answers /status and is ready (or a process died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if swarm.dead():
+            raise RuntimeError(f"node(s) exited during start-up: {swarm.dead()}")
+        try:
+            st = fetch_status(address, timeout_s=2.0)
+            if st["ready"]:
+                return st
+        except ValueError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"node {address} not ready after {timeout_s:.0f}s")
+
+
+def request_eval(address: str, timeout_s: float = 120.0) -> float:
+    req = urllib.request.Request(f"http://{address}/eval", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return float(json.loads(resp.read())["eval_loss"])
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    settings = {
+        **DEMO_SETTINGS,
+        "swarm.num_block_stages": str(args.block_stages),
+        **parse_sets(args.set),
+    }
+    log_dir = Path(args.logs or tempfile.mkdtemp(prefix="murmuration-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    swarm = LocalSwarm(log_dir, settings, args.config)
+    say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
+    t_start = time.monotonic()
+    port = args.port
+    plan = [0] * args.heads + [
+        s for s in range(1, args.block_stages + 1) for _ in range(args.replicas)
+    ]
+    say(
+        f"starting {len(plan)} nodes ({args.heads} head, {args.block_stages} block stages x {args.replicas}); logs in {log_dir}"
+    )
+    summary: dict[str, Any] = {}
+    try:
+        for i, stage in enumerate(plan):
+            swarm.start_node(stage, port + i if port else 0)
+        head = swarm.addresses[0]
+        for address in swarm.addresses:
+            wait_ready(address, 120.0, swarm)
+        say("all nodes ready; training")
+        summary = _train(head, swarm, args.budget_s, say)
+    except (RuntimeError, TimeoutError) as e:
+        say(f"demo failed: {e}")
+        for name in swarm.dead():
+            say(f"--- {name} log ---\n{swarm.log_tail(name)}")
+        swarm.stop()
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted; stopping the swarm")
+        swarm.stop()
+        return 130
+    codes = swarm.stop()
+    summary.update(
+        num_nodes=len(plan),
+        seconds=round(time.monotonic() - t_start, 1),
+        exit_codes=codes,
+        logs=str(log_dir),
+    )
+    say(
+        f"\neval loss {summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}  "
+        f"({summary['tokens']} tokens, {summary['tokens_per_s']:.0f} tokens/s, {summary['num_nodes']} nodes, "
+        f"{summary['seconds']:.0f}s wall)"
+    )
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _train(head: str, swarm: LocalSwarm, budget_s: float, say: Any) -> dict[str, Any]:
+    """Watch the head node until its training time reaches the budget; then evaluate."""
+    last_print = 0.0
+    st = fetch_status(head)
+    while st.get("train_s", 0.0) < budget_s:
+        if swarm.dead():
+            raise RuntimeError(f"node(s) died: {swarm.dead()}")
+        time.sleep(1.0)
+        st = fetch_status(head)
+        if time.monotonic() - last_print >= 5.0:
+            last_print = time.monotonic()
+            peers = sum(len(v) for v in st["peers"].values())
+            loss = "-" if st.get("loss_ema") is None else f"{st['loss_ema']:.3f}"
+            ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"
+            say(
+                f"[{st['train_s']:6.0f}s] step {st['step']:5d}  loss {loss}  eval {ev}  "
+                f"{st['tokens_per_s']:7.0f} tok/s  peers {peers}  "
+                f"done {st['counters'].get('microbatches_completed', 0)} "
+                f"retried {st['counters'].get('microbatches_retried', 0)}"
+            )
+    final = request_eval(head)
+    st = fetch_status(head)
+    evals = st["evals"]
+    return {
+        "initial_eval_loss": evals[0]["loss"],
+        "final_eval_loss": final,
+        "tokens": st["tokens"],
+        "tokens_per_s": round(st["tokens"] / max(1e-6, st["train_s"]), 1),
+        "train_s": st["train_s"],
+        "steps": st["step"],
+        "evals": evals,
+        "counters": st["counters"],
+    }

@@ -1,0 +1,266 @@
+"""The stage runner: this node's slice of the model and every piece of torch work on it.
+
+Owns the stage module, its inner optimizer (Adam, global-norm clipping, linear warm-up then
+cosine decay), the activations saved between a microbatch's forward and backward, and the
+single compute thread. Every public ``async`` method hops onto that thread, so the event loop
+never runs torch code and torch never sees two threads.
+
+Asynchronous pipelines step the optimizer while other microbatches are still in flight
+(SWARM, arXiv 2301.11913, section 3). A saved autograd graph is only valid for the weights
+it was built with, so a backward that arrives after an optimizer step recomputes its
+forward from the saved input first; one that arrives before uses the saved graph.
+Gradients from every microbatch are accumulated until ``step_samples`` samples, averaged
+per microbatch, clipped to ``clip_norm`` and applied.
+
+Does not own routing, peers, or the wire; the daemon hands it tensors and ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from node.config import Config, TrainConfig
+from node.model import BlockStage, HeadStage, build_stage
+
+T = TypeVar("T")
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Learning rate of inner step ``step``: linear warm-up, cosine to ``lr * min_lr_ratio``."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    span = max(1, train.total_steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    floor = train.lr * train.min_lr_ratio
+    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class _Saved:
+    """What a block stage keeps of one microbatch until its gradient comes back."""
+
+    x: torch.Tensor
+    out: torch.Tensor | None
+    step: int
+    created_s: float
+
+
+@dataclass
+class Thermometers:
+    """YaLM-style health readings of this stage (ALGORITHMS.md section 8)."""
+
+    act_max: float = 0.0
+    act_min: float = 0.0
+    grad_norm: float = 0.0
+
+
+class StageRunner:
+    """One stage replica: weights, optimizer and saved activations, driven from one thread."""
+
+    def __init__(self, config: Config, stage: int) -> None:
+        self.config = config
+        self.train = config.train
+        self.stage = stage
+        self.device = torch.device(config.node.device)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"compute-s{stage}")
+        self.module: HeadStage | BlockStage
+        self.optimizer: torch.optim.Adam
+        self.step = 0
+        self.samples = 0
+        self._acc_samples = 0
+        self._acc_microbatches = 0
+        self._saved: dict[str, _Saved] = {}
+        self.thermo = Thermometers()
+        self.service_rate = 0.0
+        self.compute_s = 0.0
+        self._unattributed_s = 0.0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def start(self) -> None:
+        await self.run(self._build)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _build(self) -> None:
+        torch.set_num_threads(self.config.node.threads)
+        c = self.config
+        self.module = build_stage(c.model, c.swarm.num_block_stages, self.stage, c.swarm.seed)
+        self.module.to(self.device)
+        self.optimizer = torch.optim.Adam(
+            self.module.parameters(), lr=lr_at(0, self.train), betas=self.train.betas, eps=1e-8
+        )
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.train.compute_dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    # ---- block stages -------------------------------------------------------------------
+
+    def block_forward(self, mb_id: str, x: torch.Tensor, train: bool) -> torch.Tensor:
+        """Output activations for ``x``; in training, keeps what backward needs under ``mb_id``."""
+        assert isinstance(self.module, BlockStage)
+        t0 = time.perf_counter()
+        if self.train.compute_delay_s:
+            time.sleep(self.train.compute_delay_s)
+        x = x.to(self.device, torch.float32).detach()  # never flag the caller's tensor
+        if not train:
+            with torch.no_grad(), self._autocast():
+                out = self.module(x).float()
+        else:
+            x.requires_grad_(True)
+            with self._autocast():
+                out = self.module(x).float()
+            self._saved[mb_id] = _Saved(x, out, self.step, time.monotonic())
+        self._observe_activations(out)
+        self._account(t0, 0)
+        return out.detach()
+
+    def block_backward(self, mb_id: str, grad_out: torch.Tensor) -> torch.Tensor:
+        """Gradient w.r.t. the input of ``mb_id``; accumulates parameter gradients."""
+        t0 = time.perf_counter()
+        saved = self._saved.pop(mb_id)
+        x, out = saved.x, saved.out
+        if out is None or saved.step != self.step:
+            x = x.detach().requires_grad_(True)
+            with self._autocast():
+                out = self.module(x).float()
+        out.backward(grad_out.to(self.device, torch.float32))
+        assert x.grad is not None
+        self._accumulate(x.shape[0])
+        self._account(t0, x.shape[0])
+        return x.grad
+
+    def has_saved(self, mb_id: str) -> bool:
+        return mb_id in self._saved
+
+    def expire_saved(self, now: float) -> int:
+        """Free activations older than the TTL (their gradient is not coming); returns how many."""
+        old = [k for k, s in self._saved.items() if now - s.created_s > self.train.activation_ttl_s]
+        for k in old:
+            del self._saved[k]
+        return len(old)
+
+    # ---- the head stage -----------------------------------------------------------------
+
+    def head_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedded (and normed) tokens to send into block stage 1."""
+        assert isinstance(self.module, HeadStage)
+        with torch.no_grad(), self._autocast():
+            return self.module.embed(ids.to(self.device)).float()
+
+    def head_loss(
+        self, h: torch.Tensor, labels: torch.Tensor, train: bool
+    ) -> tuple[float, torch.Tensor | None]:
+        """Loss of the final hidden states; in training also its gradient w.r.t. ``h``."""
+        assert isinstance(self.module, HeadStage)
+        t0 = time.perf_counter()
+        h = h.to(self.device, torch.float32).detach()
+        labels = labels.to(self.device)
+        if not train:
+            with torch.no_grad(), self._autocast():
+                return float(self.module.loss(h, labels)), None
+        h.requires_grad_(True)
+        with self._autocast():
+            loss = self.module.loss(h, labels)
+        loss.backward()
+        self._account(t0, 0)
+        assert h.grad is not None
+        return float(loss.detach()), h.grad
+
+    def head_backward(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Finish a microbatch: backpropagate into the embedding (recomputed, it is cheap)."""
+        assert isinstance(self.module, HeadStage)
+        t0 = time.perf_counter()
+        with self._autocast():
+            h = self.module.embed(ids.to(self.device)).float()
+        h.backward(grad.to(self.device, torch.float32))
+        self._accumulate(ids.shape[0])
+        self._account(t0, ids.shape[0])
+
+    # ---- optimizer ----------------------------------------------------------------------
+
+    def _accumulate(self, num_samples: int) -> None:
+        self._acc_samples += num_samples
+        self._acc_microbatches += 1
+        self.samples += num_samples
+        if self._acc_samples >= self.train.step_samples:
+            self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.div_(self._acc_microbatches)  # type: ignore[union-attr]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.train.clip_norm)
+        self.thermo.grad_norm = min(float(norm), self.train.clip_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.train)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self._acc_samples = 0
+        self._acc_microbatches = 0
+
+    def _observe_activations(self, out: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(out.detach())
+        self.thermo.act_min, self.thermo.act_max = float(lo), float(hi)
+
+    def _account(self, t0: float, num_samples: int) -> None:
+        """Track compute time; every finished sample updates the service-rate EMA."""
+        elapsed = time.perf_counter() - t0
+        self.compute_s += elapsed
+        self._unattributed_s += elapsed
+        if num_samples:
+            rate = num_samples / max(self._unattributed_s, 1e-6)
+            prev = self.service_rate
+            self.service_rate = rate if not prev else 0.8 * prev + 0.2 * rate
+            self._unattributed_s = 0.0
+
+    # ---- state transfer -----------------------------------------------------------------
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], int, int]:
+        """Weights and Adam moments as named CPU tensors, plus the step and sample counters."""
+        tensors = {f"param.{k}": v.detach().cpu() for k, v in self.module.state_dict().items()}
+        for name, p in self.module.named_parameters():
+            state = self.optimizer.state.get(p)
+            if state:
+                tensors[f"adam_m.{name}"] = state["exp_avg"].detach().cpu()
+                tensors[f"adam_v.{name}"] = state["exp_avg_sq"].detach().cpu()
+        return tensors, self.step, self.samples
+
+    def load(self, tensors: dict[str, torch.Tensor], step: int, samples: int) -> None:
+        """Adopt a live replica's state; ``ValueError`` if it does not fit this stage."""
+        own = self.module.state_dict()
+        params = {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}
+        if params.keys() != own.keys():
+            raise ValueError(f"state for stage {self.stage} has the wrong parameter names")
+        for k, v in params.items():
+            if v.shape != own[k].shape:
+                raise ValueError(
+                    f"state tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
+                )
+            if not torch.isfinite(v).all():
+                raise ValueError(f"state tensor {k} is not finite")
+        self.module.load_state_dict({k: v.clone() for k, v in params.items()})
+        for name, p in self.module.named_parameters():
+            m, v = tensors.get(f"adam_m.{name}"), tensors.get(f"adam_v.{name}")
+            if m is not None and v is not None and m.shape == p.shape == v.shape:
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": m.to(self.device, torch.float32).clone(),
+                    "exp_avg_sq": v.to(self.device, torch.float32).clone(),
+                }
+        self.step, self.samples = step, samples

@@ -1,0 +1,354 @@
+"""The head stage's trainer role: issue microbatches, finish them, evaluate.
+
+A head-stage node is where every microbatch starts and ends (SWARM's "trainer", arXiv
+2301.11913, section 3; ALGORITHMS.md section 2). This module owns:
+
+- keeping ``max_in_flight`` training microbatches in the pipeline, pausing while some
+  block stage has no ready replica;
+- the deadline of each microbatch: one not completed in time is re-issued on a fresh route
+  (``retried``) up to ``max_attempts`` issues, then ``dropped``; every issued microbatch ends
+  as exactly one of completed, retried or dropped;
+- the loss at the end of the pipeline, the gradient sent back along the recorded path, and
+  the embedding's backward when it returns;
+- evaluation on the fixed held-out split, through the same pipeline without gradients.
+
+Does not own routing or the network (``node.daemon``) or torch state (``node.runner``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from node.data import ByteTokenizer, TextDataset, embedded_corpus, load_documents
+from protocol.messages import Backward, Forward, Hop
+from protocol.quant import encode_tensor
+
+if TYPE_CHECKING:
+    from node.daemon import Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    """A microbatch this head node issued and has not finished."""
+
+    seq: int
+    ids: torch.Tensor
+    labels: torch.Tensor
+    attempt: int
+    deadline_s: float
+    eval_result: asyncio.Future[float] | None = None
+    mb_id: str = ""
+
+
+@dataclass
+class EvalPoint:
+    step: int
+    elapsed_s: float
+    loss: float
+
+
+@dataclass
+class _Window:
+    """Tokens completed over the last ``span_s`` seconds, for a steady tokens/s figure."""
+
+    span_s: float = 20.0
+    events: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def add(self, now: float, tokens: int) -> None:
+        self.events.append((now, tokens))
+        while self.events and now - self.events[0][0] > self.span_s:
+            self.events.popleft()
+
+    def rate(self, now: float) -> float:
+        while self.events and now - self.events[0][0] > self.span_s:
+            self.events.popleft()
+        if not self.events:
+            return 0.0
+        return sum(t for _, t in self.events) / max(
+            1e-3, min(self.span_s, now - self.events[0][0] + 1e-3)
+        )
+
+
+class HeadTrainer:
+    """Drives training from a head-stage node."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.config = node.config
+        self.train = node.config.train
+        self.dataset: TextDataset | None = None
+        self.gen = torch.Generator().manual_seed(int(node.peer_id[:8], 16))
+        self.pending: dict[str, Pending] = {}
+        self._seq = 0
+        self._num_issues = 0
+        self._wake = asyncio.Event()
+        self.last_loss: float | None = None
+        self.loss_ema: float | None = None
+        self.tokens = 0
+        self.started_s: float | None = None
+        self.window = _Window()
+        self.evals: list[EvalPoint] = []
+        self._eval_lock = asyncio.Lock()
+        self._eval_data: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    async def prepare(self) -> None:
+        """Load this node's data shard and the shared eval split (on the compute thread)."""
+        data = self.config.data
+        shard = int(self.node.peer_id[:8], 16) % data.num_shards
+
+        def load() -> TextDataset:
+            docs = load_documents(data.path, data.text_field) if data.path else embedded_corpus()
+            return TextDataset(
+                docs,
+                ByteTokenizer(),
+                eval_fraction=data.eval_fraction,
+                shard=shard,
+                num_shards=data.num_shards,
+                seed=self.config.swarm.seed,
+                seq_len=data.seq_len,
+            )
+
+        assert self.node.runner is not None
+        self.dataset = await self.node.runner.run(load)
+        self._eval_data = self.dataset.eval_batches(
+            self.train.eval_batches, data.batch_size, data.seq_len
+        )
+        log.info(
+            "data: shard %d/%d, %d train tokens, %d eval tokens",
+            shard,
+            data.num_shards,
+            self.dataset.num_train_tokens,
+            self.dataset.num_eval_tokens,
+        )
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def pipeline_complete(self) -> bool:
+        return all(self.node.table.replicas(s) for s in range(1, self.node.num_stages))
+
+    async def run(self) -> None:
+        await self._wait_for_pipeline()
+        if self.train.eval_interval_s > 0:
+            await self.evaluate()
+        self.started_s = time.monotonic()
+        next_eval = time.monotonic() + self.train.eval_interval_s
+        while not self.node.leaving:
+            self._check_deadlines()
+            if self.pipeline_complete():
+                while self._num_training() < self.train.max_in_flight:
+                    await self._issue(self._sample(), attempt=1)
+            else:
+                await self._wait_for_pipeline()
+            if self.train.eval_interval_s > 0 and time.monotonic() >= next_eval:
+                next_eval = time.monotonic() + self.train.eval_interval_s
+                self.node.spawn(self._evaluate_quietly())
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=0.2)
+
+    async def _wait_for_pipeline(self) -> None:
+        announced = False
+        while not self.pipeline_complete() and not self.node.leaving:
+            if not announced:
+                missing = [
+                    s for s in range(1, self.node.num_stages) if not self.node.table.replicas(s)
+                ]
+                log.info("waiting for replicas of stage(s) %s before issuing microbatches", missing)
+                announced = True
+            await asyncio.sleep(0.3)
+        if announced:
+            log.info("pipeline complete: every stage has a replica")
+
+    def _num_training(self) -> int:
+        return sum(1 for p in self.pending.values() if p.eval_result is None)
+
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.dataset is not None
+        return self.dataset.sample_batch(
+            self.gen, self.config.data.batch_size, self.config.data.seq_len
+        )
+
+    async def _issue(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        attempt: int,
+        seq: int | None = None,
+        eval_result: asyncio.Future[float] | None = None,
+    ) -> None:
+        """Embed a microbatch and send it into block stage 1."""
+        runner = self.node.runner
+        assert runner is not None
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        ids, labels = batch
+        p = Pending(
+            seq,
+            ids,
+            labels,
+            attempt,
+            time.monotonic() + self.train.microbatch_deadline_s,
+            eval_result,
+        )
+        self._num_issues += 1
+        p.mb_id = f"{self.node.peer_id[:8]}.{seq}.{self._num_issues}"
+        self.pending[p.mb_id] = p
+        codec = self.train.wire_codec
+        tensors, meta = await runner.run(
+            lambda: encode_tensor(runner.head_embed(ids), codec, name="h")
+        )
+        msg = Forward(
+            mb_id=p.mb_id,
+            target_stage=1,
+            path=[Hop(0, self.node.peer_id, self.node.address)],
+            eval=eval_result is not None,
+            meta=meta,
+            tensors=tensors,
+        )
+        self.node.counters["microbatches_issued"] += 1
+        self._spawn(self._send_first(p, msg))
+
+    async def _send_first(self, p: Pending, msg: Forward) -> None:
+        if not await self.node.send_to_stage(1, msg):
+            p.deadline_s = 0.0  # re-issue at once rather than wait out the deadline
+            self._wake.set()
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for mb_id, p in list(self.pending.items()):
+            if p.deadline_s > now:
+                continue
+            del self.pending[mb_id]
+            if not self.pipeline_complete():
+                p.attempt -= 1  # a missing stage is not this microbatch's fault
+            if p.attempt < self.train.max_attempts:
+                self.node.counters["microbatches_retried"] += 1
+                log.info("microbatch %s missed its deadline; re-issuing", mb_id)
+                self._spawn(self._issue((p.ids, p.labels), p.attempt + 1, p.seq, p.eval_result))
+            else:
+                self.node.counters["microbatches_dropped"] += 1
+                log.warning("microbatch %s dropped after %d attempts", mb_id, p.attempt)
+                if p.eval_result is not None and not p.eval_result.done():
+                    p.eval_result.set_exception(TimeoutError(f"eval microbatch {mb_id} dropped"))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.node.spawn(coro)
+
+    # ---- jobs the daemon queues when a microbatch comes home ----------------------------
+
+    def loss_job(self, msg: Forward, h: torch.Tensor) -> Callable[[], Awaitable[Any]]:
+        """Final hidden states arrived: loss, and for training the gradient sent back."""
+        p = self.pending.get(msg.mb_id)
+        if p is None:
+            from swarm.seams import Refused
+
+            raise Refused("stale_microbatch", f"{msg.mb_id} is no longer pending here", 410)
+        runner = self.node.runner
+        assert runner is not None
+        codec = self.train.wire_codec
+
+        async def job() -> Callable[[], Awaitable[None]] | None:
+            if p.eval_result is not None:
+                loss, _ = await runner.run(runner.head_loss, h, p.labels, False)
+                self.pending.pop(msg.mb_id, None)
+                if not p.eval_result.done():
+                    p.eval_result.set_result(loss)
+                return None
+
+            def compute() -> tuple[float, dict[str, torch.Tensor], dict[str, Any]]:
+                loss, grad = runner.head_loss(h, p.labels, True)
+                assert grad is not None
+                return (loss, *encode_tensor(grad, codec, name="g"))
+
+            loss, tensors, meta = await runner.run(compute)
+            self._record_loss(loss)
+            back = Backward(
+                mb_id=msg.mb_id, index=len(msg.path) - 1, path=msg.path, meta=meta, tensors=tensors
+            )
+            return lambda: self._send_back(p, back)
+
+        return job
+
+    async def _send_back(self, p: Pending, msg: Backward) -> None:
+        if not await self.node.send_to(msg.path[msg.index], msg):
+            p.deadline_s = 0.0
+            self._wake.set()
+
+    def backward_job(self, msg: Backward, g: torch.Tensor) -> Callable[[], Awaitable[None]]:
+        """The gradient reached the head again: backprop into the embedding; microbatch done."""
+        p = self.pending.pop(msg.mb_id, None)
+        if p is None:
+            from swarm.seams import Refused
+
+            raise Refused("stale_microbatch", f"{msg.mb_id} is no longer pending here", 410)
+        runner = self.node.runner
+        assert runner is not None
+
+        async def job() -> None:
+            await runner.run(runner.head_backward, p.ids, g)
+            tokens = p.ids.numel()
+            self.tokens += tokens
+            self.window.add(time.monotonic(), tokens)
+            self.node.counters["microbatches_completed"] += 1
+            self._wake.set()
+
+        return job
+
+    def _record_loss(self, loss: float) -> None:
+        if not math.isfinite(loss):
+            self.node.counters["non_finite_loss"] += 1
+            log.warning("non-finite training loss %s", loss)
+            return
+        self.last_loss = loss
+        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+
+    # ---- evaluation ---------------------------------------------------------------------
+
+    async def evaluate(self) -> float:
+        """Mean loss over the fixed held-out microbatches, through the live pipeline."""
+        async with self._eval_lock:
+            await self._wait_for_pipeline()
+            loop = asyncio.get_running_loop()
+            futures = [loop.create_future() for _ in self._eval_data]
+            for batch, fut in zip(self._eval_data, futures, strict=True):
+                await self._issue(batch, attempt=1, eval_result=fut)
+            limit_s = self.train.microbatch_deadline_s * self.train.max_attempts + 5.0
+            losses = await asyncio.wait_for(asyncio.gather(*futures), timeout=limit_s)
+            loss = float(sum(losses) / len(losses))
+            runner = self.node.runner
+            elapsed = time.monotonic() - self.started_s if self.started_s else 0.0
+            self.evals.append(EvalPoint(runner.step if runner else 0, round(elapsed, 2), loss))
+            log.info("eval loss %.4f at step %d", loss, self.evals[-1].step)
+            return loss
+
+    async def _evaluate_quietly(self) -> None:
+        try:
+            await self.evaluate()
+        except TimeoutError as e:
+            log.warning("evaluation abandoned: %s", e or "timed out")
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "loss": self.last_loss,
+            "loss_ema": self.loss_ema,
+            "eval_loss": self.evals[-1].loss if self.evals else None,
+            "evals": [vars(e) for e in self.evals],
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.window.rate(now), 1),
+            "train_s": round(now - self.started_s, 1) if self.started_s else 0.0,
+            "in_flight": self._num_training(),
+            "pipeline_complete": self.pipeline_complete(),
+        }

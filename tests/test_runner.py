@@ -1,0 +1,107 @@
+"""The stage runner's maths: schedule, accumulation, stale-graph recompute, state transfer."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from node.config import TrainConfig, resolve_config
+from node.model import build_stage
+from node.runner import StageRunner, lr_at
+
+
+def test_lr_schedule() -> None:
+    t = TrainConfig(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, t) == pytest.approx(0.1)
+    assert lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(60, t) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(110, t) == pytest.approx(0.1)
+    assert lr_at(10_000, t) == pytest.approx(0.1)
+
+
+def runner(stage: int, **train: str) -> StageRunner:
+    overrides = {"train.step_samples": "4", **{f"train.{k}": v for k, v in train.items()}}
+    r = StageRunner(resolve_config(None, {}, overrides), stage)
+    r._build()
+    return r
+
+
+def test_block_backward_matches_autograd_and_steps_after_step_samples() -> None:
+    r = runner(1)
+    ref = build_stage(r.config.model, 3, 1, seed=0)
+    x = torch.randn(2, 8, 128)
+    g = torch.randn(2, 8, 128)
+    out = r.block_forward("a", x, train=True)
+    xr = x.clone().requires_grad_(True)
+    outr = ref(xr)
+    assert torch.allclose(out, outr.detach(), atol=1e-5)
+    gin = r.block_backward("a", g)
+    outr.backward(g)
+    assert torch.allclose(gin, xr.grad, atol=1e-5)  # type: ignore[arg-type]
+    assert r.step == 0  # 2 of 4 samples
+    r.block_forward("b", x, train=True)
+    r.block_backward("b", g)
+    assert r.step == 1 and r.samples == 4
+    assert 0 < r.thermo.grad_norm <= 1.0
+
+
+def test_backward_after_a_step_recomputes_with_current_weights() -> None:
+    r = runner(1, step_samples="2")
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    r.block_forward("old", x, train=True)
+    r.block_forward("new", x, train=True)
+    r.block_backward("new", g)  # steps the optimizer: "old"'s saved graph is now stale
+    assert r.step == 1
+    current = copy.deepcopy(r.module)
+    gin = r.block_backward("old", g)  # must not raise the in-place modification error
+    xr = x.clone().requires_grad_(True)
+    current(xr).backward(g)
+    assert torch.allclose(gin, xr.grad, atol=1e-5)  # type: ignore[arg-type]
+
+
+def test_eval_forward_saves_nothing_and_ttl_expires() -> None:
+    r = runner(2, activation_ttl_s="5")
+    r.block_forward("e", torch.randn(1, 4, 128), train=False)
+    assert not r.has_saved("e")
+    r.block_forward("t", torch.randn(1, 4, 128), train=True)
+    assert r.has_saved("t")
+    saved_at = r._saved["t"].created_s
+    assert r.expire_saved(saved_at + 4) == 0
+    assert r.expire_saved(saved_at + 6) == 1 and not r.has_saved("t")
+
+
+def test_head_loss_and_backward() -> None:
+    r = runner(0)
+    ids = torch.randint(0, 256, (2, 16))
+    h = r.head_embed(ids)
+    loss, grad = r.head_loss(h, ids, train=True)
+    assert abs(loss - math.log(256)) < 0.5 and grad is not None and grad.shape == h.shape
+    r.head_backward(ids, torch.randn_like(h))
+    assert r.module.tok_embedding.weight.grad is not None
+    eval_loss, none = r.head_loss(h, ids, train=False)
+    assert none is None and eval_loss == pytest.approx(loss, abs=1e-5)
+
+
+def test_snapshot_load_round_trip_and_bad_state() -> None:
+    a, b = runner(1, step_samples="2"), runner(1)
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    a.block_forward("m", x, train=True)
+    a.block_backward("m", g)
+    tensors, step, samples = a.snapshot()
+    assert step == 1 and any(k.startswith("adam_m.") for k in tensors)
+    b.load(tensors, step, samples)
+    assert b.step == 1
+    for (ka, va), (kb, vb) in zip(
+        a.module.state_dict().items(), b.module.state_dict().items(), strict=True
+    ):
+        assert ka == kb and torch.equal(va, vb)
+    assert torch.equal(b.block_forward("z", x, train=False), a.block_forward("z", x, train=False))
+    bad = dict(tensors)
+    key = next(k for k in bad if k.startswith("param."))
+    bad[key] = torch.full_like(bad[key], float("nan"))
+    with pytest.raises(ValueError, match="not finite"):
+        b.load(bad, 1, 2)
+    with pytest.raises(ValueError, match="wrong parameter names"):
+        b.load({"param.x": torch.ones(1)}, 1, 2)
