@@ -74,9 +74,9 @@ class SwarmConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak learning rate of the inner Adam optimizer."""
-    warmup_steps: int = 30
+    warmup_steps: int = 60
     """Linear warm-up steps, then cosine decay."""
     total_steps: int = 3000
     """Steps of the cosine schedule; it decays to lr * min_lr_ratio and stays there."""

@@ -45,7 +45,12 @@ from protocol.messages import (
 )
 from protocol.quant import decode_tensor, encode_tensor
 from swarm.assignment import choose_stage
-from swarm.discovery import ZeroconfDiscovery, announce_addresses, outbound_address
+from swarm.discovery import (
+    ZeroconfDiscovery,
+    announce_addresses,
+    local_ipv4_networks,
+    outbound_address,
+)
 from swarm.membership import MembershipService
 from swarm.peers import PeerTable
 from swarm.routing import Router
@@ -53,7 +58,7 @@ from swarm.seams import MonotonicClock, Refused, TransportError
 
 log = logging.getLogger(__name__)
 
-Job = Callable[[], Awaitable[Callable[[], Awaitable[None]] | None]]
+Job = Callable[[], Awaitable[Callable[[], Awaitable[object]] | None]]
 """A unit of queued work: computes, then returns the network send to run after it (or None)."""
 
 _PRIORITY = {"backward": 0, "loss": 1, "forward": 2}
@@ -100,6 +105,7 @@ class Node:
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()
+        self._heartbeats: asyncio.Task[None] | None = None
         self._site_runner: web.AppRunner | None = None
         self._log_times: dict[str, float] = {}
 
@@ -174,7 +180,8 @@ class Node:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
-                background = [tg.create_task(self.membership.run())]
+                self._heartbeats = tg.create_task(self.membership.run())
+                background = [self._heartbeats]
                 await self._start_discovery()
                 joined = tg.create_task(self._join())
                 stopped = tg.create_task(self._stop.wait())
@@ -204,9 +211,7 @@ class Node:
         host, port = parse_hostport(self.config.net.listen, "net.listen")
         site = web.TCPSite(self._site_runner, host, port, reuse_address=True)
         await site.start()
-        server = site._server
-        assert server is not None and server.sockets
-        bound_port = server.sockets[0].getsockname()[1]
+        bound_port = self._site_runner.addresses[0][1]
         self.address = f"{self._announce_host(host)}:{bound_port}"
         log.info(
             "node %s listening on %s:%d, announcing %s",
@@ -222,10 +227,38 @@ class Node:
             return announce.rpartition(":")[0] if ":" in announce else announce
         if listen_host not in ("0.0.0.0", "", "::"):
             return listen_host
-        if self.config.net.bootstrap:
-            host, port = parse_hostport(self.config.net.bootstrap[0])
-            return outbound_address(host, port)
-        return announce_addresses(listen_host)[0]
+        # Several interfaces: take the one the kernel would use towards a bootstrap peer or,
+        # on a LAN, towards the mDNS group; peers later confirm what they see (_adopt_observed).
+        target = (
+            parse_hostport(self.config.net.bootstrap[0])
+            if self.config.net.bootstrap
+            else ("224.0.0.251", 5353)
+        )
+        try:
+            host = outbound_address(*target)
+        except OSError:
+            host = "127.0.0.1"
+        return host if not host.startswith("127.") else announce_addresses(listen_host)[0]
+
+    def _adopt_observed(self) -> None:
+        """Take the address peers see us connect from, when it is ours and we were guessing."""
+        observed = self.membership.observed_host
+        host, port = self.address.rsplit(":", 1)
+        listen_host, _ = parse_hostport(self.config.net.listen)
+        guessing = not self.config.net.announce and listen_host in ("0.0.0.0", "", "::")
+        if not guessing or not observed or observed == host:
+            return
+        if observed in {str(i.ip) for i in local_ipv4_networks()} and not observed.startswith(
+            "127."
+        ):
+            log.info(
+                "peers reach this node at %s, not %s: announcing %s:%s",
+                observed,
+                host,
+                observed,
+                port,
+            )
+            self.address = f"{observed}:{port}"
 
     async def _start_discovery(self) -> None:
         self.membership.add_bootstrap(list(self.config.net.bootstrap))
@@ -254,6 +287,7 @@ class Node:
     async def _join(self) -> None:
         """Listen for the swarm, pick a stage, get its weights, start serving."""
         await asyncio.sleep(self.config.node.join_wait_s)
+        self._adopt_observed()
         if self.config.node.stage == "auto":
             counts = self.table.stage_counts(self.num_stages)
             self.stage = choose_stage(counts, self.rng)
@@ -296,6 +330,8 @@ class Node:
     async def _shutdown(self) -> None:
         log.info("leaving the swarm")
         self.leaving = True
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()  # a goodbye followed by a heartbeat would re-add us
         await self.membership.leave_all(timeout_s=1.0)
         deadline = time.monotonic() + self.config.node.drain_s
         while self._unfinished() and time.monotonic() < deadline:
@@ -345,7 +381,7 @@ class Node:
             finally:
                 self._busy -= 1
 
-    async def _guard(self, send: Callable[[], Awaitable[None]]) -> None:
+    async def _guard(self, send: Callable[[], Awaitable[object]]) -> None:
         try:
             await send()
         except Exception:
@@ -356,6 +392,7 @@ class Node:
         assert self.runner is not None
         while True:
             await asyncio.sleep(1.0)
+            self._adopt_observed()
             freed = await self.runner.run(self.runner.expire_saved, time.monotonic())
             if freed:
                 self.counters["activations_expired"] += freed
@@ -483,7 +520,7 @@ class Node:
             out = runner.block_forward(msg.mb_id, x, train=not msg.eval)
             return encode_tensor(out, codec, name="h")
 
-        async def job() -> Callable[[], Awaitable[None]]:
+        async def job() -> Callable[[], Awaitable[bool]]:
             tensors, meta = await runner.run(compute)
             path = [*msg.path, Hop(self.stage, self.peer_id, self.address)]
             nxt = self.stage + 1 if self.stage + 1 < self.num_stages else 0
@@ -509,7 +546,7 @@ class Node:
         def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             return encode_tensor(runner.block_backward(msg.mb_id, g), codec, name="g")
 
-        async def job() -> Callable[[], Awaitable[None]]:
+        async def job() -> Callable[[], Awaitable[bool]]:
             tensors, meta = await runner.run(compute)
             back = Backward(
                 mb_id=msg.mb_id, index=msg.index - 1, path=msg.path, meta=meta, tensors=tensors

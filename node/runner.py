@@ -256,11 +256,12 @@ class StageRunner:
                 raise ValueError(f"state tensor {k} is not finite")
         self.module.load_state_dict({k: v.clone() for k, v in params.items()})
         for name, p in self.module.named_parameters():
-            m, v = tensors.get(f"adam_m.{name}"), tensors.get(f"adam_v.{name}")
-            if m is not None and v is not None and m.shape == p.shape == v.shape:
+            m = tensors.get(f"adam_m.{name}")
+            sq = tensors.get(f"adam_v.{name}")
+            if m is not None and sq is not None and m.shape == p.shape == sq.shape:
                 self.optimizer.state[p] = {
                     "step": torch.tensor(float(step)),
                     "exp_avg": m.to(self.device, torch.float32).clone(),
-                    "exp_avg_sq": v.to(self.device, torch.float32).clone(),
+                    "exp_avg_sq": sq.to(self.device, torch.float32).clone(),
                 }
         self.step, self.samples = step, samples

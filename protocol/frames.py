@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 import torch
 
 from protocol.errors import (

@@ -85,7 +85,9 @@ class Router:
             s.num_failures = 0
             if latency_s is not None:
                 prev = s.latency_ema_s
-                s.latency_ema_s = latency_s if prev is None else prev + self.ema * (latency_s - prev)
+                s.latency_ema_s = (
+                    latency_s if prev is None else prev + self.ema * (latency_s - prev)
+                )
         else:
             s.num_failures += 1
             s.banned_until = now + self.ban_s
