@@ -213,3 +213,29 @@ def test_bad_input_is_refused_counted_and_training_goes_on(swarm: Any) -> None:
         "training after bad input",
     )
     assert all(p.poll() is None for _, p, _ in s.procs)
+
+
+def test_stage_auto_fills_empty_stages_and_data_flag_is_used(swarm: Any, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [
+        json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20})
+        for i in range(200)
+    ]
+    corpus.write_text("\n".join(lines) + "\n")
+    s = swarm()
+    head = s.start_node(0, extra=["--data", str(corpus)])
+    wait_ready(head, 90, s)
+    stages = []
+    for _ in range(3):
+        address = s.start_node("auto")
+        stages.append(wait_ready(address, 90, s)["stage"])
+    assert sorted(stages) == [1, 2, 3]  # each joiner took an empty stage
+    wait_for(
+        lambda: counters(head).get("microbatches_completed", 0) >= 20, 90, "training on --data"
+    )
+    log = (s.log_dir / f"stage0-{head.rsplit(':', 1)[1]}.log").read_text()
+    assert "data: shard" in log
+    # this corpus is one repeated sentence: the loss falls far below what the embedded corpus allows
+    wait_for(
+        lambda: (fetch_status(head).get("loss_ema") or 9) < 2.0, 120, "loss on a repetitive corpus"
+    )
