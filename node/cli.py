@@ -130,6 +130,7 @@ def join_config(args: argparse.Namespace) -> Config:
         "node.device": args.device,
         "data.path": args.data,
         "node.state_dir": args.state_dir,
+        "net.metrics_port": args.metrics_port,
         "node.log_level": args.log_level,
         "net.zeroconf": False if args.no_zeroconf else None,
     }

@@ -106,6 +106,7 @@ class Node:
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()
         self._heartbeats: asyncio.Task[None] | None = None
+        self._metrics: Any = None
         self._site_runner: web.AppRunner | None = None
         self._log_times: dict[str, float] = {}
 
@@ -176,6 +177,10 @@ class Node:
         """Run until ``request_stop``; then shut down in order."""
         await self.transport.start()
         await self._start_server()
+        if self.config.net.metrics_port:
+            from node.metrics import start_metrics_server  # prometheus_client only when asked
+
+            self._metrics = start_metrics_server(self, self.config.net.metrics_host, self.config.net.metrics_port)
         log.info("config: %s", describe(self.config))
         try:
             async with asyncio.TaskGroup() as tg:
@@ -350,6 +355,8 @@ class Node:
         task.add_done_callback(self._spawned.discard)
 
     async def _close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.transport.close()
