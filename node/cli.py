@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     j.add_argument("--swarm", metavar="NAME", help="swarm name; only peers of the same swarm talk")
     j.add_argument("--config", metavar="FILE.toml", help="configuration file")
+    j.add_argument(
+        "--sync",
+        choices=["noloco", "diloco", "allreduce", "none"],
+        help="how replicas of a stage stay together (default noloco)",
+    )
     j.add_argument("--device", help="torch device for this stage (cpu, cuda, cuda:1)")
     j.add_argument(
         "--data",
@@ -68,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     j.add_argument(
         "--no-zeroconf", action="store_true", help="do not announce or browse on the LAN"
+    )
+    j.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (default: none)",
     )
     j.add_argument("--log-level", help="debug, info, warning, error")
     j.add_argument(
@@ -128,6 +139,7 @@ def join_config(args: argparse.Namespace) -> Config:
         "net.bootstrap": args.bootstrap,
         "swarm.name": args.swarm,
         "node.device": args.device,
+        "sync.method": args.sync,
         "data.path": args.data,
         "node.state_dir": args.state_dir,
         "net.metrics_port": args.metrics_port,

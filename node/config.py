@@ -119,6 +119,36 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class SyncConfig:
+    method: str = "noloco"
+    """How replicas of a stage stay together: noloco, diloco, allreduce (data parallel) or none."""
+    outer_steps: int = 50
+    """H: inner steps between outer steps (noloco, diloco)."""
+    alpha: float = 0.5
+    """NoLoCo outer momentum decay."""
+    beta: float = 0.7
+    """NoLoCo weight of the group's mean pseudo-gradient."""
+    gamma: float = 0.7
+    """NoLoCo weight of the pull towards the group's mean slow weights."""
+    diloco_lr: float = 0.7
+    """DiLoCo outer learning rate (Nesterov SGD)."""
+    diloco_momentum: float = 0.9
+    """DiLoCo outer Nesterov momentum."""
+    codec: str = "fp32"
+    """Encoding of gossiped weights and all-reduce chunks: fp32, bf16 or int8 (blockwise)."""
+    request_timeout_s: float = 10.0
+    """Deadline of one gossip request (including the time it may be held by the partner)."""
+    hold_s: float = 5.0
+    """How long a gossip request for a round this replica has not reached yet is held."""
+    round_deadline_s: float = 20.0
+    """A replica that finds no partner within this time takes a solo outer step."""
+    listen_s: float = 0.3
+    """Random wait for an incoming request before asking a partner (avoids everyone asking)."""
+    ring_step_timeout_s: float = 10.0
+    """Deadline of one ring all-reduce step; a missed one fails the round (solo fallback)."""
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     net: NetConfig = field(default_factory=NetConfig)
@@ -127,6 +157,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 def resolve_config(
@@ -262,6 +293,14 @@ def _validate(c: Config) -> None:
         raise ValueError(
             f"train.compute_dtype must be float32 or bfloat16, not {c.train.compute_dtype!r}"
         )
+    if c.sync.method not in ("noloco", "diloco", "allreduce", "none"):
+        raise ValueError(
+            f"sync.method must be noloco, diloco, allreduce or none, not {c.sync.method!r}"
+        )
+    if c.sync.codec not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"sync.codec must be fp32, bf16 or int8, not {c.sync.codec!r}")
+    if c.sync.outer_steps < 1:
+        raise ValueError(f"sync.outer_steps must be at least 1, got {c.sync.outer_steps}")
     if c.train.wire_codec not in ("fp32", "bf16", "int8"):
         raise ValueError(f"train.wire_codec must be fp32, bf16 or int8, not {c.train.wire_codec!r}")
     if c.data.seq_len > c.model.max_seq_len:

@@ -35,11 +35,13 @@ from protocol.messages import (
     Error,
     FetchState,
     Forward,
+    GossipRequest,
     Hello,
     Hop,
     Leave,
     Message,
     PeerRecord,
+    RingChunk,
     StageState,
     expect,
 )
@@ -97,6 +99,7 @@ class Node:
         )
         self.runner: StageRunner | None = None
         self.trainer: Any = None  # node.trainer.HeadTrainer on stage 0
+        self.sync: Any = None  # node.sync.StageSync once joined
         self.discovery: ZeroconfDiscovery | None = None
         self.counters: Counter[str] = Counter()
         self._queue: asyncio.PriorityQueue[tuple[int, int, Job]] = asyncio.PriorityQueue()
@@ -164,6 +167,8 @@ class Node:
             "counters": dict(self.counters),
             "peers": peers,
         }
+        if self.sync is not None:
+            out["sync"] = self.sync.status()
         if self.trainer is not None:
             out.update(self.trainer.status())
         return out
@@ -180,7 +185,9 @@ class Node:
         if self.config.net.metrics_port:
             from node.metrics import start_metrics_server  # prometheus_client only when asked
 
-            self._metrics = start_metrics_server(self, self.config.net.metrics_host, self.config.net.metrics_port)
+            self._metrics = start_metrics_server(
+                self, self.config.net.metrics_host, self.config.net.metrics_port
+            )
         log.info("config: %s", describe(self.config))
         try:
             async with asyncio.TaskGroup() as tg:
@@ -307,6 +314,9 @@ class Node:
             self.trainer = HeadTrainer(self)
             await self.trainer.prepare()
         await self._fetch_state()
+        from node.sync import StageSync
+
+        self.sync = StageSync(self)
         self.ready = True
         log.info("serving stage %d (step %d)", self.stage, self.runner.step)
 
@@ -382,6 +392,7 @@ class Node:
                 send = await job()
                 if send is not None:
                     self.spawn(self._guard(send))
+                self.sync.poll()
             except Exception:
                 self.counters["job_errors"] += 1
                 log.exception("job failed")
@@ -400,6 +411,7 @@ class Node:
         while True:
             await asyncio.sleep(1.0)
             self._adopt_observed()
+            self.sync.forget_stale_rounds()
             freed = await self.runner.run(self.runner.expire_saved, time.monotonic())
             if freed:
                 self.counters["activations_expired"] += freed
@@ -438,6 +450,13 @@ class Node:
             return self._on_backward(msg)
         if isinstance(msg, FetchState):
             return await self._on_fetch_state(msg)
+        if isinstance(msg, GossipRequest):
+            self._check_serving()
+            return await self.sync.on_gossip(msg)
+        if isinstance(msg, RingChunk):
+            self._check_serving()
+            self.sync.on_ring_chunk(msg)
+            return Ack()
         raise Refused("unexpected_message", f"{msg.TYPE!r} is not a request", 400)
 
     def _check_serving(self) -> None:

@@ -20,16 +20,25 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
 from node.model import BlockStage, HeadStage, build_stage
+from protocol.quant import decode_tensor, encode_tensor
+from swarm.outer import (
+    DiLoCoConfig,
+    NoLoCoConfig,
+    diloco_outer_step,
+    noloco_outer_step,
+    rms_distance,
+)
 
 T = TypeVar("T")
 
@@ -78,6 +87,16 @@ class StageRunner:
         self.samples = 0
         self._acc_samples = 0
         self._acc_microbatches = 0
+        self.sync = config.sync
+        self.noloco = NoLoCoConfig(config.sync.alpha, config.sync.beta, config.sync.gamma)
+        self.diloco = DiLoCoConfig(config.sync.diloco_lr, config.sync.diloco_momentum)
+        self.hold = False
+        self.sync_due: str | None = None
+        self.pending_grads: torch.Tensor | None = None
+        self.outer_rounds = 0
+        self.lr_scale = 1.0
+        self.phi = torch.empty(0)
+        self.outer_m = torch.empty(0)
         self._saved: dict[str, _Saved] = {}
         self.thermo = Thermometers()
         self.service_rate = 0.0
@@ -102,6 +121,7 @@ class StageRunner:
         self.optimizer = torch.optim.Adam(
             self.module.parameters(), lr=lr_at(0, self.train), betas=self.train.betas, eps=1e-8
         )
+        self._init_outer()
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.train.compute_dtype == "bfloat16":
@@ -197,22 +217,113 @@ class StageRunner:
         self._acc_samples += num_samples
         self._acc_microbatches += 1
         self.samples += num_samples
-        if self._acc_samples >= self.train.step_samples:
-            self._optimizer_step()
+        self._maybe_step()
 
-    def _optimizer_step(self) -> None:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        for p in params:
-            p.grad.div_(self._acc_microbatches)  # type: ignore[union-attr]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.train.clip_norm)
+    def _maybe_step(self) -> None:
+        """Step when enough samples are in, unless an outer synchronisation holds steps."""
+        if self.hold or self._acc_samples < self.train.step_samples:
+            return
+        if self.sync.method == "allreduce":
+            # Data parallel: hand the averaged gradients to the ring; new ones keep coming.
+            self.pending_grads = self._take_grads()
+            self.hold, self.sync_due = True, "grads"
+            return
+        self._optimizer_step()
+        if self.sync.method in ("noloco", "diloco") and self.step % self.sync.outer_steps == 0:
+            self.hold, self.sync_due = True, "outer"
+
+    def _take_grads(self) -> torch.Tensor:
+        """The accumulated mean gradient as one flat vector; accumulation starts afresh."""
+        grads = [
+            (p.grad / self._acc_microbatches) if p.grad is not None else torch.zeros_like(p)
+            for p in self.module.parameters()
+        ]
+        self.optimizer.zero_grad(set_to_none=True)
+        self._acc_samples = self._acc_microbatches = 0
+        return parameters_to_vector(grads)
+
+    def _optimizer_step(self, flat_grads: torch.Tensor | None = None) -> None:
+        """Clip, set the scheduled learning rate, step Adam; ``flat_grads`` replaces .grad."""
+        params = list(self.module.parameters())
+        kept: list[torch.Tensor | None] | None = None
+        if flat_grads is None:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self._acc_microbatches)
+            self._acc_samples = self._acc_microbatches = 0
+        else:
+            kept = [p.grad for p in params]  # what arrived while the ring was running
+            for p, g in zip(params, _unflatten(flat_grads, params), strict=True):
+                p.grad = g
+        norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in params if p.grad is not None], self.train.clip_norm
+        )
         self.thermo.grad_norm = min(float(norm), self.train.clip_norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.train)
+            group["lr"] = lr_at(self.step, self.train) * self.lr_scale
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if kept is not None:
+            for p, held in zip(params, kept, strict=True):
+                p.grad = held
         self.step += 1
-        self._acc_samples = 0
-        self._acc_microbatches = 0
+
+    # ---- outer synchronisation (NoLoCo, DiLoCo, data parallel) ----------------------------
+
+    def _init_outer(self) -> None:
+        self.phi = parameters_to_vector(self.module.parameters()).detach().clone()
+        self.outer_m = torch.zeros_like(self.phi)
+
+    def outer_contribution(self, codec: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This replica's NoLoCo offer: slow weights and pseudo-gradient, encoded."""
+        theta = parameters_to_vector(self.module.parameters()).detach()
+        phi_t, phi_meta = encode_tensor(self.phi, codec, name="phi")
+        d_t, d_meta = encode_tensor(theta - self.phi, codec, name="delta")
+        return {**phi_t, **d_t}, {"phi": phi_meta, "delta": d_meta}
+
+    def apply_noloco(
+        self, partner: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
+    ) -> float | None:
+        """NoLoCo's outer step with the partner's offer (or solo); returns the slow-weight spread."""
+        partners, spread = [], None
+        if partner is not None:
+            tensors, meta = partner
+            phi_j = decode_tensor(tensors, meta["phi"]).to(self.phi.device)
+            d_j = decode_tensor(tensors, meta["delta"]).to(self.phi.device)
+            if phi_j.shape != self.phi.shape or d_j.shape != self.phi.shape:
+                raise ValueError(
+                    f"partner sent {tuple(phi_j.shape)} weights, this stage has {tuple(self.phi.shape)}"
+                )
+            if not bool(torch.isfinite(phi_j).all() and torch.isfinite(d_j).all()):
+                raise ValueError("partner's weights are not finite")
+            spread = rms_distance(self.phi, phi_j)
+            partners.append((d_j, phi_j))
+        theta = parameters_to_vector(self.module.parameters()).detach()
+        noloco_outer_step(theta, self.phi, self.outer_m, partners, self.noloco)
+        vector_to_parameters(theta, self.module.parameters())
+        return spread
+
+    def outer_delta(self) -> torch.Tensor:
+        """DiLoCo's outer gradient ``phi - theta``."""
+        return self.phi - parameters_to_vector(self.module.parameters()).detach()
+
+    def apply_diloco(self, delta_mean: torch.Tensor) -> None:
+        theta = parameters_to_vector(self.module.parameters()).detach()
+        diloco_outer_step(
+            theta, self.phi, self.outer_m, delta_mean.to(self.phi.device), self.diloco
+        )
+        vector_to_parameters(theta, self.module.parameters())
+
+    def apply_grads(self, flat_grads: torch.Tensor) -> None:
+        """Data parallel: one inner step with the all-reduced gradient."""
+        self._optimizer_step(flat_grads.to(self.phi.device))
+
+    def finish_sync(self, outer: bool) -> None:
+        """Release held optimizer steps; take one at once if enough samples came in."""
+        self.hold, self.sync_due, self.pending_grads = False, None, None
+        if outer:
+            self.outer_rounds += 1
+        self._maybe_step()
 
     def _observe_activations(self, out: torch.Tensor) -> None:
         lo, hi = torch.aminmax(out.detach())
@@ -239,6 +350,8 @@ class StageRunner:
             if state:
                 tensors[f"adam_m.{name}"] = state["exp_avg"].detach().cpu()
                 tensors[f"adam_v.{name}"] = state["exp_avg_sq"].detach().cpu()
+        tensors["outer.phi"] = self.phi.cpu()
+        tensors["outer.m"] = self.outer_m.cpu()
         return tensors, self.step, self.samples
 
     def load(self, tensors: dict[str, torch.Tensor], step: int, samples: int) -> None:
@@ -264,4 +377,19 @@ class StageRunner:
                     "exp_avg": m.to(self.device, torch.float32).clone(),
                     "exp_avg_sq": sq.to(self.device, torch.float32).clone(),
                 }
+        phi, m = tensors.get("outer.phi"), tensors.get("outer.m")
+        if phi is not None and m is not None and phi.shape == m.shape == self.phi.shape:
+            self.phi = phi.to(self.device, torch.float32).clone()
+            self.outer_m = m.to(self.device, torch.float32).clone()
+        else:
+            self._init_outer()
         self.step, self.samples = step, samples
+        self.outer_rounds = step // self.sync.outer_steps
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for p in like:
+        out.append(flat[offset : offset + p.numel()].view_as(p).clone())
+        offset += p.numel()
+    return out

@@ -157,9 +157,54 @@ class StageState(Message):
     samples: int
 
 
+@dataclass(frozen=True)
+class GossipRequest(Message):
+    """NoLoCo: "pair with me for outer round ``round``"; carries the sender's contribution."""
+
+    TYPE: ClassVar[str] = "gossip_request"
+    stage: int
+    round: int
+    sender: str
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GossipReply(Message):
+    """NoLoCo: the request is accepted; carries the replier's contribution."""
+
+    TYPE: ClassVar[str] = "gossip_reply"
+    round: int
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RingChunk(Message):
+    """One step of a ring all-reduce: a chunk for the right-hand neighbour."""
+
+    TYPE: ClassVar[str] = "ring_chunk"
+    round_id: str
+    members_hash: str
+    phase: str
+    step: int
+    meta: dict[str, Any]
+
+
 MESSAGE_TYPES: Mapping[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Leave, Forward, Backward, Ack, Error, FetchState, StageState)
+    for cls in (
+        Hello,
+        Welcome,
+        Leave,
+        Forward,
+        Backward,
+        Ack,
+        Error,
+        FetchState,
+        StageState,
+        GossipRequest,
+        GossipReply,
+        RingChunk,
+    )
 }
 
 M = TypeVar("M", bound=Message)

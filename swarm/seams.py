@@ -18,7 +18,10 @@ class Transport(Protocol):
     """Send one message to the peer at ``address`` (``host:port``) and return its reply."""
 
     async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
-        """Raises ``TransportError`` when the peer cannot be reached or answers with an error."""
+        """Raises ``TransportError`` when the peer cannot be reached or answers with an error.
+
+        When it returns, ``msg`` has been sent in full: its tensors may be reused or changed.
+        """
         ...
 
 

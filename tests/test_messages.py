@@ -12,10 +12,13 @@ from protocol.messages import (
     Error,
     FetchState,
     Forward,
+    GossipReply,
+    GossipRequest,
     Hello,
     Hop,
     Leave,
     PeerRecord,
+    RingChunk,
     StageState,
     Welcome,
     decode_message,
@@ -49,6 +52,18 @@ def test_every_message_type_round_trips() -> None:
         Error(code="busy", message="queue full"),
         FetchState(stage=1),
         StageState(stage=1, step=3, samples=96, tensors={"param.w": torch.ones(3)}),
+        GossipRequest(
+            stage=1, round=4, sender="ab", meta={"codec": "fp32"}, tensors={"phi": torch.ones(2)}
+        ),
+        GossipReply(round=4, meta={}, tensors={"phi": torch.zeros(2)}),
+        RingChunk(
+            round_id="dp:1:7",
+            members_hash="h",
+            phase="reduce",
+            step=0,
+            meta={},
+            tensors={"c": torch.ones(5)},
+        ),
     ]
     assert {type(m) for m in msgs} == set(MESSAGE_TYPES.values())
     for msg in msgs:

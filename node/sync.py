@@ -1,0 +1,217 @@
+"""Outer synchronisation of a stage's replicas, as the daemon runs it.
+
+Owns the glue between the runner (which holds its optimizer steps when a round is due,
+while forward and backward keep flowing) and the swarm services that move the bytes:
+``swarm.gossip`` for NoLoCo, ``swarm.allreduce`` for DiLoCo and data parallel. A round's
+torch work (snapshots, encoding, the update rules) runs on the compute thread; the event
+loop only waits on the network. Every round ends in a defined way: NoLoCo paired or solo;
+DiLoCo and data parallel all-reduced or, when the ring fails, solo (each replica applies
+its own pseudo-gradient or gradient). Also keeps the statistics ``node status`` and the
+metrics show.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protocol.messages import GossipReply, GossipRequest, Hop, RingChunk
+from swarm.allreduce import RingAllReduce, RingFailed
+from swarm.gossip import Contribution, GossipConfig, GossipService
+from swarm.seams import Refused
+
+if TYPE_CHECKING:
+    from node.daemon import Node
+
+log = logging.getLogger(__name__)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class StageSync:
+    """Runs outer rounds for this node's stage replica."""
+
+    def __init__(self, node: Node) -> None:
+        assert node.runner is not None
+        self.node = node
+        self.runner = node.runner
+        self.config = node.config.sync
+        self.method = self.config.method
+        self.rounds: Counter[str] = Counter()
+        self.seconds_sum = 0.0
+        self.seconds_count = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.spread_rms: float | None = None
+        self.spread_sum = 0.0
+        self.spread_count = 0
+        self.spread_history: deque[tuple[int, float]] = deque(maxlen=256)
+        self.last_partner: str | None = None
+        self._running = False
+        self.gossip = GossipService(
+            GossipConfig(
+                request_timeout_s=self.config.request_timeout_s,
+                hold_s=self.config.hold_s,
+                round_deadline_s=self.config.round_deadline_s,
+                listen_s=self.config.listen_s,
+            ),
+            transport=node.transport,
+            clock=node.clock,
+            rng=node.rng,
+            self_id=node.peer_id,
+            stage=node.stage,
+            replicas=lambda: node.table.replicas(node.stage),
+        )
+        self.ring = RingAllReduce(
+            node.transport,
+            node.clock,
+            node.peer_id,
+            codec=self.config.codec,
+            step_timeout_s=self.config.ring_step_timeout_s,
+            compute=self.runner.run,
+        )
+
+    # ---- incoming -----------------------------------------------------------------------
+
+    async def on_gossip(self, req: GossipRequest) -> GossipReply:
+        if self.method != "noloco":
+            raise Refused("no_gossip", f"this replica synchronises with {self.method}, not noloco")
+        return await self.gossip.handle_request(req)
+
+    def on_ring_chunk(self, chunk: RingChunk) -> None:
+        if self.method not in ("diloco", "allreduce"):
+            raise Refused("no_ring", f"this replica synchronises with {self.method}, not a ring")
+        self.ring.deliver(chunk)
+
+    # ---- rounds -------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Start a round if the runner has one due and none is running."""
+        if self.runner.sync_due is not None and not self._running and not self.node.leaving:
+            self._running = True
+            self.node.spawn(self._round(self.runner.sync_due))
+
+    async def _round(self, kind: str) -> None:
+        t0 = time.monotonic()
+        try:
+            if kind == "grads":
+                await self._allreduce_grads()
+            elif self.method == "noloco":
+                await self._noloco()
+            else:
+                await self._diloco()
+        except Exception:
+            self.rounds["failed"] += 1
+            log.exception("outer round failed; continuing without it")
+        finally:
+            self.seconds_sum += time.monotonic() - t0
+            self.seconds_count += 1
+            await self.runner.run(self.runner.finish_sync, kind == "outer")
+            self._running = False
+        self.poll()
+
+    async def _noloco(self) -> None:
+        round_ = self.runner.outer_rounds
+        tensors, meta = await self.runner.run(self.runner.outer_contribution, self.config.codec)
+        outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
+        self.bytes_sent += _nbytes(tensors) * outcome.num_attempts
+        partner = None
+        if outcome.contribution is not None:
+            partner = (outcome.contribution.tensors, outcome.contribution.meta)
+            self.bytes_received += _nbytes(outcome.contribution.tensors)
+        try:
+            spread = await self.runner.run(self.runner.apply_noloco, partner)
+        except ValueError as e:  # a partner's offer that does not fit or is not finite
+            self.rounds["rejected"] += 1
+            log.warning(
+                "noloco round %d: refused %s's offer (%s); solo step", round_, outcome.partner_id, e
+            )
+            spread = await self.runner.run(self.runner.apply_noloco, None)
+            outcome.partner_id = None
+        if spread is not None:
+            self.spread_rms, self.last_partner = spread, outcome.partner_id
+            self.spread_sum += spread
+            self.spread_count += 1
+            self.spread_history.append((round_, spread))
+            self.rounds["paired"] += 1
+        else:
+            self.rounds["solo"] += 1
+        log.info(
+            "noloco round %d: %s%s",
+            round_,
+            f"paired with {outcome.partner_id[:8]}, spread {spread:.2e}"
+            if outcome.partner_id and spread is not None
+            else "solo",
+            f" (refusals {dict(outcome.refusals)})" if outcome.refusals else "",
+        )
+
+    def members(self) -> list[Hop]:
+        me = Hop(self.node.stage, self.node.peer_id, self.node.address)
+        peers = [
+            Hop(p.stage, p.peer_id, p.address) for p in self.node.table.replicas(self.node.stage)
+        ]
+        return sorted([me, *peers], key=lambda h: h.peer_id)
+
+    async def _ring_mean(self, round_id: str, flat: torch.Tensor) -> torch.Tensor:
+        members = self.members()
+        sent0, recv0 = self.ring.bytes_sent, self.ring.bytes_received
+        try:
+            mean = await self.ring.allreduce(round_id, members, flat)
+            self.rounds["allreduced" if len(members) > 1 else "solo"] += 1
+            return mean
+        except RingFailed as e:
+            self.rounds["failed"] += 1
+            log.warning(
+                "%s: ring of %d failed (%s); applying this replica's own update",
+                round_id,
+                len(members),
+                e,
+            )
+            return flat
+        finally:
+            self.bytes_sent += self.ring.bytes_sent - sent0
+            self.bytes_received += self.ring.bytes_received - recv0
+
+    async def _diloco(self) -> None:
+        round_id = f"diloco:{self.node.stage}:{self.runner.outer_rounds}"
+        delta = await self.runner.run(self.runner.outer_delta)
+        mean = await self._ring_mean(round_id, delta)
+        await self.runner.run(self.runner.apply_diloco, mean)
+
+    async def _allreduce_grads(self) -> None:
+        grads = self.runner.pending_grads
+        assert grads is not None
+        mean = await self._ring_mean(f"dp:{self.node.stage}:{self.runner.step}", grads)
+        await self.runner.run(self.runner.apply_grads, mean)
+
+    def forget_stale_rounds(self) -> None:
+        """Drop ring mailboxes of rounds this replica has passed (late or foreign chunks)."""
+        floors = {"diloco": self.runner.outer_rounds, "dp": self.runner.step}
+
+        def keep(round_id: str) -> bool:
+            kind, _, number = round_id.rsplit(":", 2)
+            return number.isdigit() and int(number) >= floors.get(kind, 0)
+
+        self.ring.forget_stale(keep)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "outer_steps": self.runner.outer_rounds,
+            "rounds": dict(self.rounds),
+            "seconds_sum": round(self.seconds_sum, 3),
+            "seconds_count": self.seconds_count,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "spread_rms": self.spread_rms,
+            "spread_rms_mean": self.spread_sum / self.spread_count if self.spread_count else None,
+            "spread_history": list(self.spread_history),
+            "last_partner": self.last_partner,
+            "in_progress": self._running,
+        }

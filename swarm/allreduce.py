@@ -1,0 +1,177 @@
+"""Ring all-reduce over the daemon's own transport (the baseline NoLoCo replaces).
+
+The seed article's ring (ALGORITHMS.md section 5; Patarasuk and Yuan, 2009, as used by
+Baidu and Horovod): the flat tensor is cut into ``N`` chunks (the first ``numel % N`` one
+element longer); in ``N - 1`` scatter-reduce steps member ``r`` sends chunk ``r - t`` to
+its right neighbour and adds the chunk ``r - t - 1`` that arrives from its left; member
+``r`` then holds the finished sum of chunk ``r + 1``; ``N - 1`` all-gather steps pass the
+finished chunks around. Each member sends ``2 (N - 1) / N`` of the data whatever ``N`` is,
+but pays ``2 (N - 1)`` message latencies and waits for the slowest link.
+
+What a real network adds: every member must agree on the member list (each chunk carries
+a hash of it, and a mismatch aborts the round), a chunk may arrive before its receiver has
+started the round (it waits in a mailbox), and a member may die mid-ring: every wait has a
+deadline, and the round then fails with ``RingFailed`` so the caller can take its defined
+fallback (a solo step). Chunk arithmetic runs through the ``compute`` seam (the daemon's
+compute thread), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+
+from protocol.messages import Hop, RingChunk
+from protocol.quant import decode_tensor, encode_tensor
+from swarm.seams import Clock, Refused, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Compute = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+class RingFailed(Exception):
+    """The round could not complete (member lost, timeout, disagreement)."""
+
+
+def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``n`` chunks; the first ``numel % n`` are one longer."""
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def ring_steps(rank: int, n: int) -> list[tuple[str, int, int, int]]:
+    """``(phase, step, send_chunk, recv_chunk)`` for member ``rank`` of an ``n``-ring."""
+    steps = [("reduce", t, (rank - t) % n, (rank - t - 1) % n) for t in range(n - 1)]
+    steps += [("gather", t, (rank + 1 - t) % n, (rank - t) % n) for t in range(n - 1)]
+    return steps
+
+
+def members_hash(round_id: str, members: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join([round_id, *members]).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Round:
+    members_hash: str
+    inbox: dict[tuple[str, int], asyncio.Future[torch.Tensor]]
+
+
+class RingAllReduce:
+    """Mean of a flat tensor across ring members; one instance per node."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        clock: Clock,
+        self_id: str,
+        *,
+        codec: str = "fp32",
+        step_timeout_s: float = 10.0,
+        compute: Compute[Any] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.clock = clock
+        self.self_id = self_id
+        self.codec = codec
+        self.step_timeout_s = step_timeout_s
+        self.compute: Compute[Any] = compute or _inline
+        self._rounds: dict[str, _Round] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def deliver(self, chunk: RingChunk) -> None:
+        """Accept a chunk for a round (started here or not yet)."""
+        rnd = self._rounds.get(chunk.round_id)
+        if rnd is None:
+            if len(self._rounds) > 64:
+                raise Refused("ring_overload", "too many ring rounds pending", 503)
+            rnd = self._rounds[chunk.round_id] = _Round(chunk.members_hash, {})
+        if chunk.members_hash != rnd.members_hash:
+            raise Refused("ring_mismatch", f"round {chunk.round_id}: members differ")
+        fut = rnd.inbox.setdefault((chunk.phase, chunk.step), _future())
+        if fut.done():
+            raise Refused("ring_duplicate", f"chunk {chunk.phase}/{chunk.step} already received")
+        fut.set_result(decode_tensor(chunk.tensors, chunk.meta))
+        self.bytes_received += sum(t.numel() * t.element_size() for t in chunk.tensors.values())
+
+    async def allreduce(
+        self, round_id: str, members: Sequence[Hop], flat: torch.Tensor
+    ) -> torch.Tensor:
+        """The mean of ``flat`` over ``members`` (sorted by peer id, including us)."""
+        ids = [m.peer_id for m in members]
+        assert ids == sorted(ids) and self.self_id in ids, "members must be sorted and include us"
+        n = len(members)
+        if n == 1:
+            return flat.clone()
+        h = members_hash(round_id, ids)
+        rnd = self._rounds.setdefault(round_id, _Round(h, {}))
+        try:
+            if rnd.members_hash != h:
+                raise RingFailed(f"round {round_id}: a peer started it with other members")
+            rank = ids.index(self.self_id)
+            right = members[(rank + 1) % n]
+            bounds = chunk_bounds(flat.numel(), n)
+            work: torch.Tensor = await self.compute(flat.clone)
+            for phase, step, send_i, recv_i in ring_steps(rank, n):
+                s0, s1 = bounds[send_i]
+                tensors, meta = await self.compute(
+                    partial(encode_tensor, work[s0:s1], self.codec, name="c")
+                )
+                msg = RingChunk(
+                    round_id=round_id,
+                    members_hash=h,
+                    phase=phase,
+                    step=step,
+                    meta=meta,
+                    tensors=tensors,
+                )
+                await self._send(right, msg)
+                got = await self._receive(rnd, phase, step)
+                r0, r1 = bounds[recv_i]
+                combine = work[r0:r1].add_ if phase == "reduce" else work[r0:r1].copy_
+                await self.compute(partial(combine, got))
+            await self.compute(partial(work.div_, n))
+            return work
+        finally:
+            self._rounds.pop(round_id, None)
+
+    async def _send(self, hop: Hop, msg: RingChunk) -> None:
+        try:
+            await self.transport.request(hop.address, msg, self.step_timeout_s)
+        except TransportError as e:
+            raise RingFailed(f"sending {msg.phase}/{msg.step} to {hop.peer_id[:8]}: {e}") from None
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in msg.tensors.values())
+
+    async def _receive(self, rnd: _Round, phase: str, step: int) -> torch.Tensor:
+        fut = rnd.inbox.setdefault((phase, step), _future())
+        try:
+            return await asyncio.wait_for(fut, self.step_timeout_s)
+        except TimeoutError:
+            raise RingFailed(f"no {phase}/{step} chunk within {self.step_timeout_s:.0f}s") from None
+
+    def forget_stale(self, keep: Callable[[str], bool]) -> None:
+        """Drop mailboxes of rounds ``keep`` rejects (chunks for rounds we will never run)."""
+        for round_id in [r for r in self._rounds if not keep(r)]:
+            del self._rounds[round_id]
+
+
+def _future() -> asyncio.Future[torch.Tensor]:
+    return asyncio.get_running_loop().create_future()
+
+
+async def _inline(fn: Callable[[], T]) -> T:
+    return fn()

@@ -1,0 +1,230 @@
+"""NoLoCo matchmaking: pair with one random live replica of the stage, on a real network.
+
+NoLoCo (arXiv 2506.10911) replaces all-reduce by averaging with one random partner every
+``H`` inner steps. Its reference code pairs replicas in lockstep from a shared counter with
+blocking sends and hangs if a partner never comes. This module is the protocol that does
+not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps.
+
+1. At its boundary a replica freezes its contribution (slow weights ``phi`` and
+   pseudo-gradient ``theta - phi``) and becomes *seeking* for round ``r``. Its pipeline
+   keeps running meanwhile; only its optimizer steps wait for the outer step.
+2. It listens for a short random time (``listen_s``): a request for round ``r`` already
+   waiting here, or arriving now, is accepted (the earliest one).
+3. Otherwise it asks a random live replica not excluded this round, with a deadline.
+   The answer is one of:
+   - ``GossipReply`` with the partner's contribution: paired;
+   - ``busy``: the partner is paired already, or is asking someone else; try another
+     (it may be asked again later in the round: its own attempt may fail);
+   - ``not_ready``: the partner is behind and did not reach ``r`` in time; it too may be
+     asked again;
+   - ``stale``: the partner is past round ``r``; it is excluded for the round;
+   - a timeout or an unreachable partner (it died, perhaps mid-exchange): excluded;
+   before each new attempt it listens again, so a replica that was refused can still be
+   claimed by someone else.
+4. A request for round ``r`` arriving at a replica that is
+   - seeking ``r`` with no request out, or with its request out *to that very sender*
+     (two replicas that chose each other): accepted, both sides pair once;
+   - seeking ``r`` but paired, or asking a third replica: ``busy`` (so three replicas that
+     choose each other in a cycle all hear ``busy`` and move on: no deadlock);
+   - past ``r``: ``stale``;
+   - not yet at ``r``: held until it gets there (at most ``hold_s``), then judged as
+     above; if it does not arrive in time, ``not_ready``.
+5. When every replica is excluded, or the round's deadline passes, the replica takes a
+   solo outer step (``G = {i}``): the odd replica out and the replica whose partner died
+   both end this way. Each round ends as exactly one of paired or solo.
+
+An accepted request whose reply is lost leaves the acceptor paired and the asker solo;
+both are valid NoLoCo steps. The service moves opaque contributions (tensors and their
+codec metadata); encoding and the maths happen in the caller's compute thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocol.messages import GossipReply, GossipRequest, PeerRecord, expect
+from swarm.seams import Clock, Refused, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT = ("busy", "not_ready")
+"""Refusals that may change within the round: such a peer may be asked again."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What a replica offers for one round: encoded tensors plus their codec metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    request_timeout_s: float = 10.0
+    """Deadline of one request to a candidate partner (includes its hold time)."""
+    hold_s: float = 5.0
+    """How long a request for a round we have not reached yet waits here."""
+    round_deadline_s: float = 20.0
+    """After this long without a partner, take a solo step."""
+    listen_s: float = 0.3
+    """Before asking, and between refusals, wait up to this long (random) for a request."""
+
+
+@dataclass
+class RoundOutcome:
+    """How one round ended: the partner's id and contribution, or solo."""
+
+    round: int
+    partner_id: str | None
+    contribution: Contribution | None
+    num_attempts: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class GossipService:
+    """One replica's side of the matchmaking protocol (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: GossipConfig,
+        *,
+        transport: Transport,
+        clock: Clock,
+        rng: random.Random,
+        self_id: str,
+        stage: int,
+        replicas: Callable[[], list[PeerRecord]],
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.clock = clock
+        self.rng = rng
+        self.self_id = self_id
+        self.stage = stage
+        self.replicas = replicas
+        self.completed = -1
+        self._round = -1
+        self._mine: Contribution | None = None
+        self._target: str | None = None
+        self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
+        self._reached = asyncio.Event()
+
+    @property
+    def seeking(self) -> bool:
+        return self._partner is not None and not self._partner.done()
+
+    async def exchange(self, round_: int, mine: Contribution) -> RoundOutcome:
+        """Find a partner for ``round_`` and swap contributions, or end solo."""
+        assert round_ > self.completed, "rounds only move forward"
+        loop = asyncio.get_running_loop()
+        self._round, self._mine = round_, mine
+        self._partner = partner = loop.create_future()
+        self._reached.set()  # wake requests held for this round
+        self._reached = asyncio.Event()
+        outcome = RoundOutcome(round_, None, None)
+        deadline = self.clock.now() + self.config.round_deadline_s
+        excluded: set[str] = set()  # stale, unreachable or timed out: not asked again
+        try:
+            while not partner.done() and self.clock.now() < deadline:
+                # Listen first: replicas that reach the round together would otherwise all
+                # be asking at once, and an asking replica answers "busy".
+                await self._listen(partner, self.rng.uniform(0.0, self.config.listen_s))
+                if partner.done():
+                    break
+                pool = [
+                    p
+                    for p in self.replicas()
+                    if p.peer_id not in excluded and p.peer_id != self.self_id
+                ]
+                if not pool:
+                    break
+                peer = self.rng.choice(pool)
+                outcome.num_attempts += 1
+                code = await self._ask(peer, round_, mine, deadline, outcome)
+                if code not in _TRANSIENT:
+                    excluded.add(peer.peer_id)
+            if partner.done():
+                outcome.partner_id, outcome.contribution = partner.result()
+        finally:
+            if not partner.done():
+                partner.cancel()
+            self.completed = round_
+            self._target = None
+        return outcome
+
+    async def _listen(
+        self, partner: asyncio.Future[tuple[str, Contribution]], seconds: float
+    ) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(partner), seconds)
+
+    async def _ask(
+        self,
+        peer: PeerRecord,
+        round_: int,
+        mine: Contribution,
+        deadline: float,
+        outcome: RoundOutcome,
+    ) -> str | None:
+        """One request; ``None`` if the peer accepted, else its refusal code."""
+        assert self._partner is not None
+        self._target = peer.peer_id
+        request = GossipRequest(
+            stage=self.stage,
+            round=round_,
+            sender=self.self_id,
+            meta=mine.meta,
+            tensors=mine.tensors,
+        )
+        timeout = max(0.1, min(self.config.request_timeout_s, deadline - self.clock.now()))
+        try:
+            reply = expect(
+                await self.transport.request(peer.address, request, timeout), GossipReply
+            )
+        except (TransportError, ValueError) as e:
+            code = e.code if isinstance(e, TransportError) else "bad_reply"
+            outcome.refusals[code] = outcome.refusals.get(code, 0) + 1
+            log.debug("gossip round %d: %s answered %s", round_, peer.peer_id[:8], code)
+            return code
+        finally:
+            self._target = None
+        if not self._partner.done():
+            self._partner.set_result((peer.peer_id, Contribution(reply.tensors, reply.meta)))
+        return None
+
+    async def handle_request(self, req: GossipRequest) -> GossipReply:
+        """Answer a replica that wants to pair with us for ``req.round``."""
+        if req.stage != self.stage:
+            raise Refused("wrong_stage", f"this replica serves stage {self.stage}, not {req.stage}")
+        if req.round <= self.completed:
+            raise Refused("stale", f"round {req.round} is over here (at {self.completed})")
+        if req.round > self._round:
+            try:
+                async with asyncio.timeout(self.config.hold_s):
+                    while req.round > self._round:
+                        await self._reached.wait()
+            except TimeoutError:
+                raise Refused(
+                    "not_ready",
+                    f"round {req.round} not reached within {self.config.hold_s:.0f}s",
+                    503,
+                ) from None
+            if req.round != self._round:
+                raise Refused("stale", f"round {req.round} skipped here")
+        partner = self._partner
+        if partner is None or partner.done() or self._target not in (None, req.sender):
+            raise Refused(
+                "busy", f"round {req.round}: already paired or asking another replica", 409
+            )
+        assert self._mine is not None
+        partner.set_result((req.sender, Contribution(req.tensors, req.meta)))
+        return GossipReply(round=req.round, meta=self._mine.meta, tensors=self._mine.tensors)

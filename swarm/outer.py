@@ -1,0 +1,98 @@
+"""Outer optimizer steps: NoLoCo's pairwise rule and DiLoCo's Nesterov step.
+
+Pure maths on flat fp32 tensors, usable from any training loop (the NoLoCo authors note
+the optimizer can be reused in other protocols). Nothing here talks to peers: the caller
+brings the other group members' contributions.
+
+**NoLoCo** (Kolehmainen et al., 2025, arXiv 2506.10911, section 3; ALGORITHMS.md section 4).
+Replica ``i`` keeps fast weights ``theta``, slow weights ``phi`` and outer momentum ``m``.
+Every ``H`` inner steps it forms a group ``G`` with one random partner and, with
+``d_k = theta_k - phi_k``::
+
+    g_bar   = mean_k d_k
+    phi_bar = mean_k phi_k
+    m      <- alpha * m + beta * g_bar + gamma * (phi_bar - phi_i)
+    phi    <- phi + m
+    theta  <- phi
+
+Defaults from the reference code: ``alpha = 0.5``, ``beta = gamma = 0.7``. A solo step
+(``G = {i}``, no partner) is the same rule without the pull term. The inner Adam state is
+never touched.
+
+**DiLoCo** (Douillard et al., 2023, arXiv 2311.08105, algorithm 1). All replicas average
+the outer gradient ``delta = phi - theta``; the slow weights take one SGD step with
+Nesterov momentum (lr 0.7, momentum 0.9)::
+
+    buf   <- mu * buf + delta_mean
+    phi   <- phi - lr * (delta_mean + mu * buf)
+    theta <- phi
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class NoLoCoConfig:
+    alpha: float = 0.5
+    """Outer momentum decay."""
+    beta: float = 0.7
+    """Weight of the group's mean pseudo-gradient."""
+    gamma: float = 0.7
+    """Weight of the pull towards the group's mean slow weights."""
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    lr: float = 0.7
+    """Outer learning rate."""
+    momentum: float = 0.9
+    """Nesterov momentum of the outer SGD."""
+
+
+def noloco_outer_step(
+    theta: torch.Tensor,
+    phi: torch.Tensor,
+    momentum: torch.Tensor,
+    partners: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    config: NoLoCoConfig = NoLoCoConfig(),  # noqa: B008 - frozen, immutable default
+) -> None:
+    """Apply NoLoCo's outer step in place on ``theta``, ``phi`` and ``momentum``.
+
+    ``partners`` holds ``(d_j, phi_j)`` of the other members of the group, with
+    ``d_j = theta_j - phi_j``; empty for a solo step.
+    """
+    size = 1 + len(partners)
+    g_bar = theta - phi
+    phi_bar = phi.clone()
+    for d_j, phi_j in partners:
+        g_bar += d_j
+        phi_bar += phi_j
+    g_bar /= size
+    phi_bar /= size
+    momentum.mul_(config.alpha).add_(g_bar, alpha=config.beta)
+    momentum.add_(phi_bar - phi, alpha=config.gamma)
+    phi.add_(momentum)
+    theta.copy_(phi)
+
+
+def diloco_outer_step(
+    theta: torch.Tensor,
+    phi: torch.Tensor,
+    buffer: torch.Tensor,
+    delta_mean: torch.Tensor,
+    config: DiLoCoConfig = DiLoCoConfig(),  # noqa: B008 - frozen, immutable default
+) -> None:
+    """Apply DiLoCo's Nesterov outer step in place; ``delta_mean`` is the mean of ``phi - theta``."""
+    buffer.mul_(config.momentum).add_(delta_mean)
+    phi.sub_(delta_mean + config.momentum * buffer, alpha=config.lr)
+    theta.copy_(phi)
+
+
+def rms_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Root-mean-square distance between two flat tensors (the replica-spread gauge)."""
+    return float(torch.sqrt(torch.mean((a - b) ** 2)))

@@ -1,0 +1,108 @@
+"""NoLoCo and DiLoCo outer steps against hand-computed values."""
+
+import pytest
+import torch
+
+from swarm.outer import (
+    DiLoCoConfig,
+    NoLoCoConfig,
+    diloco_outer_step,
+    noloco_outer_step,
+    rms_distance,
+)
+
+
+def t(*v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def test_noloco_pair_by_hand() -> None:
+    # i: theta 3, phi 1, m 0.2 ; j: theta 2, phi 2, m 0   (alpha .5, beta = gamma = .7)
+    # g_bar = (2 + 0)/2 = 1 ; phi_bar = 1.5
+    # m_i = .5*.2 + .7*1 + .7*(1.5 - 1) = 1.15 ; phi_i = 2.15
+    # m_j = 0 + .7*1 + .7*(1.5 - 2) = .35 ; phi_j = 2.35
+    ti, pi, mi = t(3.0, -1.0), t(1.0, 0.0), t(0.2, 0.0)
+    tj, pj, mj = t(2.0, 1.0), t(2.0, 0.0), t(0.0, 0.0)
+    di, dj = ti - pi, tj - pj
+    pi0, pj0 = pi.clone(), pj.clone()
+    noloco_outer_step(ti, pi, mi, [(dj, pj0)])
+    noloco_outer_step(tj, pj, mj, [(di, pi0)])
+    # second coordinate: d_i = -1, d_j = 1, phis 0: g_bar 0, pull 0 -> nothing moves
+    assert mi.tolist() == pytest.approx([1.15, 0.0])
+    assert pi.tolist() == pytest.approx([2.15, 0.0])
+    assert ti.tolist() == pytest.approx([2.15, 0.0])
+    assert mj.tolist() == pytest.approx([0.35, 0.0])
+    assert pj.tolist() == pytest.approx([2.35, 0.0])
+
+
+def test_noloco_solo_has_no_pull_term() -> None:
+    theta, phi, m = t(3.0), t(1.0), t(0.2)
+    noloco_outer_step(theta, phi, m, [])
+    # m = .5*.2 + .7*2 = 1.5 ; phi = 2.5
+    assert (m.item(), phi.item(), theta.item()) == pytest.approx((1.5, 2.5, 2.5))
+
+
+def test_noloco_pull_brings_slow_weights_together() -> None:
+    a_phi, b_phi = t(0.0), t(1.0)
+    a_theta, b_theta = a_phi.clone(), b_phi.clone()  # no inner progress: only the pull acts
+    a_m, b_m = t(0.0), t(0.0)
+    before = rms_distance(a_phi, b_phi)
+    a0, b0 = a_phi.clone(), b_phi.clone()
+    noloco_outer_step(a_theta, a_phi, a_m, [(t(0.0), b0)])
+    noloco_outer_step(b_theta, b_phi, b_m, [(t(0.0), a0)])
+    assert rms_distance(a_phi, b_phi) == pytest.approx(0.3 * before)  # 1 - 2*gamma/2
+
+
+def test_noloco_custom_constants() -> None:
+    theta, phi, m = t(1.0), t(0.0), t(1.0)
+    noloco_outer_step(theta, phi, m, [], NoLoCoConfig(alpha=0.0, beta=1.0, gamma=0.0))
+    assert phi.item() == pytest.approx(1.0)  # plain averaging step: phi <- theta
+
+
+def test_diloco_by_hand() -> None:
+    # buf = .9*.1 + .4 = .49 ; update = .4 + .9*.49 = .841 ; phi = 1 - .7*.841 = .4113
+    theta, phi, buf = t(0.5), t(1.0), t(0.1)
+    diloco_outer_step(theta, phi, buf, t(0.4))
+    assert buf.item() == pytest.approx(0.49)
+    assert phi.item() == pytest.approx(0.4113)
+    assert theta.item() == pytest.approx(0.4113)
+
+
+def test_diloco_with_zero_momentum_is_averaging_at_lr_one() -> None:
+    theta, phi, buf = t(0.5), t(1.0), t(0.0)
+    diloco_outer_step(theta, phi, buf, t(0.5), DiLoCoConfig(lr=1.0, momentum=0.0))
+    assert phi.item() == pytest.approx(0.5)
+
+
+def simulate_spread(gamma: float, num_replicas: int, num_rounds: int, seed: int = 0) -> list[float]:
+    """Replicas with noisy pseudo-gradients, random pairs each round: RMS spread around the mean."""
+    import random
+
+    gen, rng, dim = torch.Generator().manual_seed(seed), random.Random(seed), 500
+    phi = [torch.zeros(dim) for _ in range(num_replicas)]
+    m = [torch.zeros(dim) for _ in range(num_replicas)]
+    config = NoLoCoConfig(gamma=gamma)
+    spreads = []
+    for _ in range(num_rounds):
+        drift = 0.01 * torch.randn(dim, generator=gen)
+        theta = [p + drift + 0.01 * torch.randn(dim, generator=gen) for p in phi]
+        offers = [(t - p, p.clone()) for t, p in zip(theta, phi, strict=True)]
+        order = list(range(num_replicas))
+        rng.shuffle(order)
+        for a, b in zip(order[::2], order[1::2], strict=False):
+            noloco_outer_step(theta[a], phi[a], m[a], [offers[b]], config)
+            noloco_outer_step(theta[b], phi[b], m[b], [offers[a]], config)
+        mean = torch.stack(phi).mean(0)
+        spreads.append(float(torch.sqrt(torch.stack([(p - mean) ** 2 for p in phi]).mean())))
+    return spreads
+
+
+def test_pull_term_bounds_the_spread_of_randomly_paired_replicas() -> None:
+    with_pull = simulate_spread(0.7, num_replicas=4, num_rounds=40)
+    without = simulate_spread(0.0, num_replicas=4, num_rounds=40)
+    assert max(with_pull[20:]) < 0.5 * min(without[20:])  # bounded vs a random walk
+    assert without[-1] > 2 * without[5]  # without the pull, replicas keep drifting apart
+
+
+def test_two_replicas_that_always_pair_stay_identical() -> None:
+    assert max(simulate_spread(0.7, num_replicas=2, num_rounds=10)) == 0.0

@@ -1,0 +1,128 @@
+"""NoLoCo, DiLoCo and data parallel between real ``node join`` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node.cli import fetch_status
+from node.demo import LocalSwarm, wait_ready
+from protocol.frames import join_frame
+from protocol.messages import FetchState, StageState, decode_message, encode_message
+from swarm.outer import rms_distance
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+BASE = {
+    "node.join_wait_s": "1.0",
+    "train.eval_interval_s": "0",
+    "train.hop_timeout_s": "3",
+    "train.microbatch_deadline_s": "8",
+    "membership.ttl_s": "4",
+    "swarm.num_block_stages": "2",
+    "train.step_samples": "16",
+    "sync.outer_steps": "4",
+    "sync.round_deadline_s": "5",
+    "sync.request_timeout_s": "3",
+    "sync.hold_s": "2",
+}
+
+
+def slow_weights(address: str) -> torch.Tensor:
+    import urllib.request
+
+    body = join_frame(encode_message(FetchState(stage=fetch_status(address)["stage"])))
+    req = urllib.request.Request(f"http://{address}/rpc", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        state = decode_message(resp.read())
+    assert isinstance(state, StageState)
+    return state.tensors["outer.phi"].clone()
+
+
+def sync_of(address: str) -> dict[str, Any]:
+    out: dict[str, Any] = fetch_status(address)["sync"]
+    return out
+
+
+def wait_for(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
+    """Head, 3 replicas of stage 1, stage 2: the mean RMS distance between partners' slow
+    weights at exchange time (same round) over the second half of ``rounds`` outer rounds."""
+    s = LocalSwarm(tmp_path / f"g{gamma}", {**BASE, "sync.gamma": gamma})
+    s.log_dir.mkdir()
+    try:
+        addresses = [s.start_node(stage) for stage in (0, 1, 1, 1, 2)]
+        for a in addresses:
+            wait_ready(a, 90, s)
+        replicas = addresses[1:4]
+        wait_for(
+            lambda: all(sync_of(a)["outer_steps"] >= rounds for a in replicas),
+            240,
+            f"{rounds} outer rounds",
+        )
+        stats = [sync_of(a) for a in replicas]
+        paired = sum(st["rounds"].get("paired", 0) for st in stats)
+        assert paired >= rounds, paired  # most rounds found a partner
+        late = [d for st in stats for r, d in st["spread_history"] if rounds // 2 <= r < rounds]
+        assert late, stats
+        return sum(late) / len(late)
+    finally:
+        s.stop(grace_s=5)
+
+
+def test_noloco_pull_term_keeps_replicas_closer(tmp_path: Path) -> None:
+    with_pull = run_three_replicas(tmp_path, "0.7", rounds=20)
+    without = run_three_replicas(tmp_path, "0.0", rounds=20)
+    print(f"late-round partner spread: with pull {with_pull:.3e}, without {without:.3e}")
+    assert with_pull < 0.8 * without, (with_pull, without)
+
+
+def test_killing_a_partner_leaves_the_survivor_training(tmp_path: Path) -> None:
+    s = LocalSwarm(tmp_path, BASE)
+    try:
+        head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
+        for x in (head, a, b, last):
+            wait_ready(x, 90, s)
+        wait_for(lambda: sync_of(a)["rounds"].get("paired", 0) >= 2, 120, "paired rounds")
+        victim = next(p for n, p, _ in s.procs if n.endswith(b.rsplit(":", 1)[1]))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        rounds_then = sync_of(a)["outer_steps"]
+        done_then = fetch_status(head)["counters"]["microbatches_completed"]
+        wait_for(
+            lambda: sync_of(a)["outer_steps"] >= rounds_then + 3, 120, "outer rounds after the kill"
+        )
+        assert fetch_status(head)["counters"]["microbatches_completed"] >= done_then + 10
+        assert sync_of(a)["rounds"].get("solo", 0) >= 1
+    finally:
+        s.stop(grace_s=5)
+
+
+@pytest.mark.parametrize("method", ["diloco", "allreduce"])
+def test_ring_methods_keep_two_replicas_identical(tmp_path: Path, method: str) -> None:
+    s = LocalSwarm(tmp_path, {**BASE, "sync.method": method})
+    try:
+        head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
+        for x in (head, a, b, last):
+            wait_ready(x, 90, s)
+        wait_for(lambda: sync_of(a)["rounds"].get("allreduced", 0) >= 3, 150, "all-reduced rounds")
+        st = sync_of(a)
+        assert st["bytes_sent"] > 0 and st["rounds"].get("failed", 0) <= 1
+        if method == "diloco":
+            # after an outer step both replicas hold the same slow weights
+            assert rms_distance(slow_weights(a), slow_weights(b)) < 1e-6
+    finally:
+        s.stop(grace_s=5)

@@ -1,0 +1,236 @@
+"""Ring all-reduce and NoLoCo matchmaking on an in-memory network with scripted faults."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from protocol.messages import Ack, GossipRequest, Hop, Message, PeerRecord, RingChunk
+from swarm.allreduce import RingAllReduce, RingFailed, chunk_bounds, ring_steps
+from swarm.gossip import Contribution, GossipConfig, GossipService
+from swarm.seams import MonotonicClock, Refused, TransportError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Net:
+    """address -> node; ``dead`` addresses never answer; ``delay_s`` before delivery."""
+
+    def __init__(self) -> None:
+        self.rings: dict[str, RingAllReduce] = {}
+        self.gossip: dict[str, GossipService] = {}
+        self.dead: set[str] = set()
+        self.delay_s = 0.0
+
+    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+        if address in self.dead:
+            await asyncio.sleep(timeout_s)
+            raise TransportError("timeout", address)
+        await asyncio.sleep(self.delay_s)
+        # a real wire serialises the message: the receiver never shares the sender's memory
+        msg = dataclasses.replace(msg, tensors={k: v.clone() for k, v in msg.tensors.items()})
+        try:
+            async with asyncio.timeout(timeout_s):
+                if isinstance(msg, RingChunk):
+                    self.rings[address].deliver(msg)
+                    return Ack()
+                if isinstance(msg, GossipRequest):
+                    return await self.gossip[address].handle_request(msg)
+        except Refused as e:
+            raise TransportError(e.code, e.message) from None
+        except TimeoutError:
+            raise TransportError("timeout", address) from None
+        raise AssertionError(msg)
+
+
+# ---- ring all-reduce -------------------------------------------------------------------
+
+
+def test_chunk_bounds_uneven() -> None:
+    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_ring_schedule_covers_every_chunk() -> None:
+    n = 5
+    for rank in range(n):
+        steps = ring_steps(rank, n)
+        assert len(steps) == 2 * (n - 1)
+        # what I receive in a step is what my left neighbour sends in the same step
+        left = ring_steps((rank - 1) % n, n)
+        assert [s[3] for s in steps] == [s[2] for s in left]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("numel", [1, 7, 23])
+async def test_ring_mean_is_exact(n: int, numel: int) -> None:
+    net = Net()
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(n)]
+    for m in members:
+        net.rings[m.address] = RingAllReduce(net, MonotonicClock(), m.peer_id, step_timeout_s=2.0)
+    gen = torch.Generator().manual_seed(n * 100 + numel)
+    data = [torch.randn(numel, generator=gen) for _ in range(n)]
+    results = await asyncio.gather(
+        *(
+            net.rings[m.address].allreduce("r1", members, d)
+            for m, d in zip(members, data, strict=True)
+        )
+    )
+    expected = torch.stack(data).mean(0)
+    for r in results:
+        assert torch.allclose(r, expected, atol=1e-6)
+    for d, orig in zip(
+        data,
+        [torch.randn(numel, generator=torch.Generator().manual_seed(n * 100 + numel))],
+        strict=False,
+    ):
+        assert torch.equal(d, orig)  # inputs untouched
+
+
+async def test_ring_member_dead_mid_round_fails_everyone_within_timeout() -> None:
+    net = Net()
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(4)]
+    for m in members:
+        net.rings[m.address] = RingAllReduce(net, MonotonicClock(), m.peer_id, step_timeout_s=0.5)
+    net.dead.add("a2")
+    live = [m for m in members if m.address != "a2"]
+    results = await asyncio.gather(
+        *(net.rings[m.address].allreduce("r", members, torch.ones(8)) for m in live),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, RingFailed) for r in results)
+
+
+async def test_ring_members_disagree() -> None:
+    net = Net()
+    a, b, c = (Hop(1, f"p{i}", f"a{i}") for i in range(3))
+    for m in (a, b, c):
+        net.rings[m.address] = RingAllReduce(net, MonotonicClock(), m.peer_id, step_timeout_s=0.5)
+    results = await asyncio.gather(
+        net.rings["a0"].allreduce("r", [a, b], torch.ones(4)),
+        net.rings["a1"].allreduce("r", [a, b, c], torch.ones(4)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, RingFailed) for r in results)
+
+
+# ---- NoLoCo matchmaking ------------------------------------------------------------------
+
+
+def make_gossip(net: Net, n: int, **cfg: float) -> list[GossipService]:
+    config = GossipConfig(
+        **{
+            "request_timeout_s": 1.0,
+            "hold_s": 0.5,
+            "round_deadline_s": 2.0,
+            "listen_s": 0.05,
+            **cfg,
+        }
+    )
+    records = [PeerRecord(peer_id=f"p{i}", address=f"a{i}", stage=1, ready=True) for i in range(n)]
+    services = []
+    for i, rec in enumerate(records):
+        svc = GossipService(
+            config,
+            transport=net,
+            clock=MonotonicClock(),
+            rng=random.Random(i),
+            self_id=rec.peer_id,
+            stage=1,
+            replicas=lambda me=rec.peer_id: [r for r in records if r.peer_id != me],
+        )
+        net.gossip[rec.address] = svc
+        services.append(svc)
+    return services
+
+
+def contrib(i: int) -> Contribution:
+    return Contribution({"phi": torch.full((3,), float(i))}, {"who": i})
+
+
+async def test_two_replicas_pair_and_swap() -> None:
+    net = Net()
+    a, b = make_gossip(net, 2)
+    ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
+    assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+    assert ra.contribution.meta == {"who": 1} and rb.contribution.meta == {"who": 0}  # type: ignore[union-attr]
+
+
+async def test_two_replicas_that_choose_each_other_pair_once() -> None:
+    net = Net()
+    net.delay_s = 0.05  # both requests are in flight at once
+    a, b = make_gossip(net, 2)
+    ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
+    assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+
+
+async def test_odd_replica_out_goes_solo_and_nobody_deadlocks() -> None:
+    for seed in range(5):
+        net = Net()
+        net.delay_s = 0.01
+        services = make_gossip(net, 3)
+        for i, s in enumerate(services):
+            s.rng = random.Random(seed * 10 + i)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(s.exchange(0, contrib(i)) for i, s in enumerate(services))), 10
+        )
+        partners = {f"p{i}": o.partner_id for i, o in enumerate(outcomes)}
+        paired = {k: v for k, v in partners.items() if v is not None}
+        for k, v in paired.items():
+            assert partners[v] == k  # symmetric pairs only
+        assert len(paired) in (0, 2)
+
+
+async def test_partner_dead_mid_exchange_means_solo() -> None:
+    net = Net()
+    a, b = make_gossip(net, 2)
+    net.dead.add("a1")
+    out = await a.exchange(0, contrib(0))
+    assert out.partner_id is None and out.refusals == {"timeout": 1}
+
+
+async def test_request_for_a_round_not_reached_is_held_until_then() -> None:
+    net = Net()
+    a, b = make_gossip(net, 2, hold_s=1.0)
+
+    async def late() -> object:
+        await asyncio.sleep(0.3)
+        return await b.exchange(0, contrib(1))
+
+    ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), late())
+    assert ra.partner_id == "p1" and rb.partner_id == "p0"  # type: ignore[attr-defined]
+
+
+async def test_stale_and_busy_refusals() -> None:
+    net = Net()
+    a, b, c = make_gossip(net, 3)
+    a.completed = 3
+    with pytest.raises(Refused) as info:
+        await a.handle_request(GossipRequest(stage=1, round=2, sender="p1", meta={}))
+    assert info.value.code == "stale"
+    with pytest.raises(Refused) as info:
+        await a.handle_request(GossipRequest(stage=2, round=9, sender="p1", meta={}))
+    assert info.value.code == "wrong_stage"
+    with pytest.raises(Refused) as info:
+        await b.handle_request(GossipRequest(stage=1, round=0, sender="p0", meta={}))
+    assert info.value.code == "not_ready"
+
+
+async def test_many_rounds_many_replicas_always_terminate() -> None:
+    net = Net()
+    services = make_gossip(net, 6)
+    num_paired = 0
+    for r in range(5):
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(s.exchange(r, contrib(i)) for i, s in enumerate(services))), 15
+        )
+        partners = {f"p{i}": o.partner_id for i, o in enumerate(outcomes)}
+        for k, v in partners.items():
+            if v is not None:
+                assert partners[v] == k
+        num_paired += sum(v is not None for v in partners.values())
+    assert num_paired >= 0.6 * 5 * 6  # even when all start at once, most replicas pair
