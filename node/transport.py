@@ -5,12 +5,21 @@ the body, written straight from the frame's buffers (tensors from their own memo
 joined copy), and the reverse on receipt (the body is read once, after its declared length
 has been checked against the frame limit, and decoded into zero-copy tensor views).
 Implements ``swarm.seams.Transport``. Does not own what messages mean.
+
+Also keeps plain-number traffic statistics (``TrafficStats``: bytes by message kind, requests
+by outcome, a latency histogram per kind) for ``node.metrics`` to export at scrape time: the
+client side's on ``HttpTransport.stats``, the server side's (request bodies read by
+``read_frame``) per aiohttp application, from ``server_stats(app)``. No Prometheus here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import weakref
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import payload, web
@@ -22,6 +31,67 @@ from swarm.seams import TransportError
 
 CONTENT_TYPE = "application/x-murmuration-frame"
 RPC_PATH = "/rpc"
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds of the request latency histogram: a loopback ack to a slow state transfer."""
+
+
+@dataclass
+class Histogram:
+    """A fixed-bucket histogram of plain numbers (Prometheus semantics: ``le`` upper bounds)."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    """Observations per bucket, not cumulative; the last entry is the ``+Inf`` bucket."""
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations <= bound)`` pairs, ending with ``(inf, count)``."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+@dataclass
+class TrafficStats:
+    """What one side of the transport moved, by message kind (the wire ``TYPE``)."""
+
+    sent_bytes: Counter[str] = field(default_factory=Counter)
+    received_bytes: Counter[str] = field(default_factory=Counter)
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Requests by (kind, outcome): "ok" or the error code (refusals, timeout, unreachable)."""
+    latency_s: dict[str, Histogram] = field(default_factory=dict)
+    """Seconds from sending a request to its reply (or error), by request kind."""
+
+    def observe_request(self, kind: str, outcome: str, seconds: float) -> None:
+        self.requests[kind, outcome] += 1
+        self.latency_s.setdefault(kind, Histogram()).observe(seconds)
+
+
+_SERVER_STATS: weakref.WeakKeyDictionary[web.Application, TrafficStats] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def server_stats(app: web.Application) -> TrafficStats:
+    """Bytes of the requests ``read_frame`` decoded for ``app``'s handlers."""
+    stats = _SERVER_STATS.get(app)
+    if stats is None:
+        stats = _SERVER_STATS[app] = TrafficStats()
+    return stats
 
 
 class FramePayload(payload.Payload):
@@ -58,7 +128,14 @@ async def read_frame(request: web.Request, limits: Limits) -> Message:
     if declared is not None and declared > limits.max_frame_bytes:
         raise FrameTooLarge(f"request declares {declared} bytes, limit is {limits.max_frame_bytes}")
     body = await _read_bounded(request.content, limits.max_frame_bytes)
-    return decode_message(body, limits)
+    stats = server_stats(request.app)
+    try:
+        msg = decode_message(body, limits)
+    except ProtocolError:
+        stats.received_bytes["invalid"] += len(body)
+        raise
+    stats.received_bytes[msg.TYPE] += len(body)
+    return msg
 
 
 async def _read_bounded(stream: aiohttp.StreamReader, max_bytes: int) -> bytes:
@@ -80,6 +157,7 @@ class HttpTransport:
         self._session: aiohttp.ClientSession | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.stats = TrafficStats()
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -94,6 +172,23 @@ class HttpTransport:
         """Send ``msg``; return the reply, or raise ``TransportError`` (``Error`` replies too)."""
         assert self._session is not None, "transport not started"
         body = FramePayload(encode_message(msg))
+        t0 = time.monotonic()
+        try:
+            reply = await self._exchange(address, msg, body, timeout_s)
+        except TransportError as e:
+            self.stats.observe_request(msg.TYPE, e.code, time.monotonic() - t0)
+            raise
+        outcome = reply.code if isinstance(reply, Error) else "ok"
+        self.stats.observe_request(msg.TYPE, outcome, time.monotonic() - t0)
+        if isinstance(reply, Error):
+            raise TransportError(reply.code, reply.message)
+        return reply
+
+    async def _exchange(
+        self, address: str, msg: Message, body: FramePayload, timeout_s: float
+    ) -> Message:
+        """POST one frame and decode the reply frame (an ``Error`` reply is returned)."""
+        assert self._session is not None
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._session.post(f"http://{address}{RPC_PATH}", data=body) as resp:
@@ -108,12 +203,13 @@ class HttpTransport:
             raise TransportError(e.code, f"reply from {address}: {e}") from None
         self.bytes_sent += body.size or 0
         self.bytes_received += len(raw)
+        self.stats.sent_bytes[msg.TYPE] += body.size or 0
         try:
             reply = decode_message(raw, self.limits)
         except ProtocolError as e:
+            self.stats.received_bytes["invalid"] += len(raw)
             raise TransportError(
                 e.code, f"bad reply from {address} (HTTP {resp.status}): {e}"
             ) from None
-        if isinstance(reply, Error):
-            raise TransportError(reply.code, reply.message)
+        self.stats.received_bytes[reply.TYPE] += len(raw)
         return reply

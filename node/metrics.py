@@ -1,0 +1,417 @@
+"""Prometheus metrics: a node's state exported at scrape time on ``--metrics-port``.
+
+Owns the ``murmur_*`` metric names and labels and the metrics HTTP endpoint. A custom
+collector reads the node's state when Prometheus scrapes (``Node.status()``, the transport's
+traffic statistics) instead of calls sprinkled through the algorithm code, into a registry
+of its own (several nodes may share a process in tests). Labels are of low cardinality only:
+``stage``, ``kind`` (wire message type), ``outcome``, ``code``, ``direction``; never a peer id.
+
+The endpoint is prometheus_client's threaded HTTP server. A scrape runs on that thread and
+takes its snapshot of the node on the event loop (``run_coroutine_threadsafe``), so state
+owned by the loop is never read while the loop changes it and the loop never waits for a
+scrape. Does not own the state it exports, nor decide what is counted.
+
+Thermometers (ALGORITHMS.md section 8, after YaLM-100B): per stage the latest maximum and
+minimum output activation and the post-clip gradient norm, so a runaway shows before the
+loss explodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from node.transport import TrafficStats, server_stats
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 5.0
+"""How long a scrape waits for the event loop to hand over a snapshot."""
+
+_NAMED_COUNTERS = {
+    "hop_retries": ("murmur_hop_retries", "Hops retried on another replica."),
+    "hops_dropped": ("murmur_hops_dropped", "Hops no replica took (the microbatch is lost there)."),
+    "activations_expired": (
+        "murmur_activations_expired",
+        "Saved activations freed because their gradient never came.",
+    ),
+    "job_errors": ("murmur_job_errors", "Queued compute jobs that raised."),
+    "send_errors": ("murmur_send_errors", "Sends that raised after their computation."),
+    "non_finite_loss": ("murmur_non_finite_loss", "Microbatches whose loss was NaN or infinite."),
+}
+"""``Node.counters`` keys with a family of their own (prefix families are handled apart)."""
+
+
+@dataclass
+class Snapshot:
+    """What one scrape exports, copied on the event loop."""
+
+    status: dict[str, Any]
+    client: TrafficStats = field(default_factory=TrafficStats)
+    server: TrafficStats = field(default_factory=TrafficStats)
+
+
+def _copy_stats(stats: TrafficStats) -> TrafficStats:
+    return TrafficStats(
+        sent_bytes=Counter(stats.sent_bytes),
+        received_bytes=Counter(stats.received_bytes),
+        requests=Counter(stats.requests),
+        latency_s={k: replace(h, counts=list(h.counts)) for k, h in stats.latency_s.items()},
+    )
+
+
+def take_snapshot(node: Any) -> Snapshot:
+    """Read ``node`` (a ``node.daemon.Node`` or anything shaped like it); call on its loop."""
+    transport = getattr(node, "transport", None)
+    client = getattr(transport, "stats", None)
+    # the daemon's aiohttp application, whose request bodies read_frame counts
+    site_runner = getattr(node, "_site_runner", None)
+    app = getattr(site_runner, "app", None)
+    return Snapshot(
+        status=node.status(),
+        client=_copy_stats(client) if client is not None else TrafficStats(),
+        server=_copy_stats(server_stats(app)) if app is not None else TrafficStats(),
+    )
+
+
+class NodeCollector(Collector):
+    """Exports one node's state; ``loop``: the node's event loop (None: read directly)."""
+
+    def __init__(self, node: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._node = node
+        self._loop = loop
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names are only known at scrape time; registering must not take a snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        st = snap.status
+        yield from _node_families(st)
+        if st["stage"] >= 0:
+            yield from _stage_families(st)
+        yield from _counter_families(st["counters"], head=st["stage"] == 0)
+        yield from _peer_families(st)
+        if st["stage"] == 0 and "tokens" in st:
+            yield from _head_families(st)
+        if isinstance(st.get("sync"), dict):
+            yield from _sync_families(st["sync"])
+        if isinstance(st.get("recovery"), dict):
+            yield from _recovery_families(st["recovery"])
+        yield from _traffic_families(snap.client, snap.server)
+
+    def _snapshot(self) -> Snapshot:
+        loop = self._loop
+        if loop is None or _on_loop(loop):
+            return take_snapshot(self._node)
+
+        async def on_loop() -> Snapshot:
+            return take_snapshot(self._node)
+
+        # blocks only this scrape thread; the loop runs the snapshot between its own callbacks
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(SNAPSHOT_TIMEOUT_S)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _gauge(name: str, doc: str, value: float, stage: str | None = None) -> GaugeMetricFamily:
+    if stage is None:
+        return GaugeMetricFamily(name, doc, value=value)
+    g = GaugeMetricFamily(name, doc, labels=["stage"])
+    g.add_metric([stage], value)
+    return g
+
+
+def _counter(name: str, doc: str, value: float, stage: str | None = None) -> CounterMetricFamily:
+    if stage is None:
+        return CounterMetricFamily(name, doc, value=value)
+    c = CounterMetricFamily(name, doc, labels=["stage"])
+    c.add_metric([stage], value)
+    return c
+
+
+def _num(value: Any) -> float:
+    """A status value as a float; None (not measured yet) becomes NaN."""
+    return float("nan") if value is None else float(value)
+
+
+def _node_families(st: dict[str, Any]) -> Iterator[Metric]:
+    info = InfoMetricFamily("murmur_node", "The swarm this node belongs to.")
+    info.add_metric([], {"swarm": str(st["swarm"]), "fingerprint": str(st["fingerprint"])})
+    yield info
+    yield _gauge("murmur_node_stage", "Stage this node serves (-1 while joining).", st["stage"])
+    yield _gauge(
+        "murmur_node_stages", "Stages of the model (head + block stages).", st["num_stages"]
+    )
+    yield _gauge("murmur_node_ready", "1 once the node serves its stage.", float(bool(st["ready"])))
+    yield _gauge("murmur_node_leaving", "1 while the node shuts down.", float(bool(st["leaving"])))
+    yield _gauge("murmur_node_uptime_seconds", "Seconds since the node started.", st["uptime_s"])
+
+
+def _stage_families(st: dict[str, Any]) -> Iterator[Metric]:
+    """The node's own stage: work done, speed, backlog and the thermometers."""
+    s = str(st["stage"])
+    yield _counter("murmur_inner_steps", "Inner optimizer steps of this replica.", st["step"], s)
+    yield _counter("murmur_samples", "Samples this replica has trained on.", st["samples"], s)
+    yield _gauge(
+        "murmur_throughput_samples_per_second",
+        "This replica's measured service rate (samples/s, moving average).",
+        st["throughput"],
+        s,
+    )
+    yield _gauge("murmur_queued_jobs", "Compute jobs waiting in this node's queue.", st["queue"], s)
+    yield _gauge(
+        "murmur_grad_norm", "Latest gradient norm after clipping (thermometer).", st["grad_norm"], s
+    )
+    yield _gauge(
+        "murmur_activation_max", "Latest maximum output activation (thermometer).", st["act_max"], s
+    )
+    yield _gauge(
+        "murmur_activation_min", "Latest minimum output activation (thermometer).", st["act_min"], s
+    )
+
+
+def _counter_families(counters: dict[str, int], head: bool) -> Iterator[Metric]:
+    """``Node.counters``: prefixed keys become one family with a label, the rest their own."""
+    mb = CounterMetricFamily(
+        "murmur_microbatches",
+        "Microbatches issued by this head node that ended as completed, retried or dropped.",
+        labels=["outcome"],
+    )
+    issued = CounterMetricFamily("murmur_microbatches_issued", "Microbatches issued (head nodes).")
+    rejected = CounterMetricFamily(
+        "murmur_rejected_requests", "Requests this node refused, by error code.", labels=["code"]
+    )
+    failed = CounterMetricFamily(
+        "murmur_send_failures", "Hops a peer did not accept, by error code.", labels=["code"]
+    )
+    other = CounterMetricFamily("murmur_events", "Other counted events, by name.", labels=["event"])
+    named = {key: 0 for key in _NAMED_COUNTERS}
+    head = head or any(k.startswith("microbatches_") for k in counters)
+    outcomes = dict.fromkeys(("completed", "retried", "dropped"), 0) if head else {}
+    for key, value in sorted(counters.items()):
+        if key == "microbatches_issued":
+            continue
+        if key.startswith("microbatches_"):
+            outcomes[key.removeprefix("microbatches_")] = value
+        elif key.startswith("rejected_"):
+            rejected.add_metric([key.removeprefix("rejected_")], value)
+        elif key.startswith("send_failed_"):
+            failed.add_metric([key.removeprefix("send_failed_")], value)
+        elif key in named:
+            named[key] = value
+        else:
+            other.add_metric([key], value)
+    for outcome, value in outcomes.items():
+        mb.add_metric([outcome], value)
+    if head:
+        issued.add_metric([], counters.get("microbatches_issued", 0))
+        yield issued
+    yield from (mb, rejected, failed, other)
+    for key, value in named.items():
+        name, doc = _NAMED_COUNTERS[key]
+        yield _counter(name, doc, value)
+
+
+def _peer_families(st: dict[str, Any]) -> Iterator[Metric]:
+    """This node's view of the swarm, per stage: peers known, live replicas, capacity."""
+    known = GaugeMetricFamily(
+        "murmur_peers_known",
+        "Peers in this node's table, by their stage (-1: still joining).",
+        labels=["stage"],
+    )
+    replicas = GaugeMetricFamily(
+        "murmur_stage_replicas",
+        "Ready replicas of each stage as this node sees them (itself included).",
+        labels=["stage"],
+    )
+    rate = GaugeMetricFamily(
+        "murmur_stage_throughput_samples_per_second",
+        "Sum of the published service rates of each stage's replicas (itself included).",
+        labels=["stage"],
+    )
+    own = st["stage"]
+    own_ready = bool(st["ready"]) and not st["leaving"]
+    for key, peers in sorted(st["peers"].items(), key=lambda kv: int(kv[0])):
+        mine = int(key) == own
+        known.add_metric([key], len(peers))
+        if int(key) < 0:
+            continue  # peers still joining (stage -1) are no stage's replicas
+        replicas.add_metric([key], sum(bool(p["ready"]) for p in peers) + (mine and own_ready))
+        total = sum(float(p["throughput"]) for p in peers) + (st["throughput"] if mine else 0.0)
+        rate.add_metric([key], total)
+    yield from (known, replicas, rate)
+
+
+def _head_families(st: dict[str, Any]) -> Iterator[Metric]:
+    """Head-stage nodes: the loss, evaluation and the pipeline as the head drives it."""
+    if st.get("loss") is not None:
+        yield _gauge("murmur_loss", "Latest training loss (head nodes).", _num(st["loss"]))
+    if st.get("loss_ema") is not None:
+        yield _gauge("murmur_loss_ema", "Training loss, moving average.", _num(st["loss_ema"]))
+    if st.get("eval_loss") is not None:
+        yield _gauge("murmur_eval_loss", "Latest held-out loss.", _num(st["eval_loss"]))
+    yield _counter("murmur_evals", "Evaluations run on the held-out split.", len(st["evals"]))
+    yield _counter("murmur_tokens", "Tokens whose loss this head node computed.", st["tokens"])
+    yield _gauge(
+        "murmur_tokens_per_second",
+        "Training tokens per second (recent window).",
+        st["tokens_per_s"],
+    )
+    yield _counter(
+        "murmur_train_seconds", "Seconds since this head started training.", st["train_s"]
+    )
+    yield _gauge(
+        "murmur_in_flight_microbatches", "Microbatches in the pipeline now.", st["in_flight"]
+    )
+    yield _gauge(
+        "murmur_pipeline_complete",
+        "1 while every stage has a ready replica.",
+        float(bool(st["pipeline_complete"])),
+    )
+
+
+def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
+    """The outer synchronisation of replicas (NoLoCo gossip, DiLoCo or all-reduce)."""
+    info = InfoMetricFamily("murmur_sync", "How replicas of a stage synchronise.")
+    info.add_metric([], {"method": str(sync.get("method", "none"))})
+    yield info
+    yield _counter("murmur_outer_steps", "Outer steps taken.", sync.get("outer_steps", 0))
+    rounds = CounterMetricFamily(
+        "murmur_sync_rounds", "Outer-step exchanges by outcome.", labels=["outcome"]
+    )
+    for outcome, n in sorted(sync.get("rounds", {}).items()):
+        rounds.add_metric([outcome], n)
+    yield rounds
+    yield _summary(
+        "murmur_sync_duration_seconds",
+        "Time spent in outer-step exchanges.",
+        sync.get("seconds_count", 0),
+        sync.get("seconds_sum", 0.0),
+    )
+    moved = CounterMetricFamily(
+        "murmur_sync_bytes", "Bytes of outer-step exchanges.", labels=["direction"]
+    )
+    moved.add_metric(["sent"], sync.get("bytes_sent", 0))
+    moved.add_metric(["received"], sync.get("bytes_received", 0))
+    yield moved
+    if "in_progress" in sync:
+        yield _gauge(
+            "murmur_sync_in_progress",
+            "1 while an outer-step exchange runs.",
+            float(bool(sync["in_progress"])),
+        )
+    if sync.get("spread_rms") is not None:
+        yield _gauge(
+            "murmur_replica_spread_rms",
+            "RMS distance of this replica's slow weights to its last partner's.",
+            _num(sync["spread_rms"]),
+        )
+
+
+def _recovery_families(rec: dict[str, Any]) -> Iterator[Metric]:
+    done = CounterMetricFamily(
+        "murmur_recoveries", "Recoveries of lost stages, by kind.", labels=["kind"]
+    )
+    for kind, n in sorted(rec.get("recoveries", {}).items()):
+        done.add_metric([kind], n)
+    yield done
+    yield _summary(
+        "murmur_recovery_duration_seconds",
+        "Time taken by recoveries.",
+        rec.get("seconds_count", 0),
+        rec.get("seconds_sum", 0.0),
+    )
+
+
+def _summary(name: str, doc: str, count: int, total: float) -> SummaryMetricFamily:
+    return SummaryMetricFamily(name, doc, count_value=count, sum_value=total)
+
+
+def _traffic_families(client: TrafficStats, server: TrafficStats) -> Iterator[Metric]:
+    """Bytes on the wire by message kind (both sides), requests and their latency (client)."""
+    moved = CounterMetricFamily(
+        "murmur_wire_bytes",
+        "Frame bytes sent and received, by message kind (requests and replies).",
+        labels=["direction", "kind"],
+    )
+    for direction, counts in (
+        ("sent", client.sent_bytes + server.sent_bytes),
+        ("received", client.received_bytes + server.received_bytes),
+    ):
+        for kind, n in sorted(counts.items()):
+            moved.add_metric([direction, kind], n)
+    yield moved
+    requests = CounterMetricFamily(
+        "murmur_requests",
+        "Requests this node sent, by kind and outcome (ok or the error code).",
+        labels=["kind", "outcome"],
+    )
+    for (kind, outcome), n in sorted(client.requests.items()):
+        requests.add_metric([kind, outcome], n)
+    yield requests
+    latency = HistogramMetricFamily(
+        "murmur_request_duration_seconds",
+        "Seconds from sending a request to its reply, by request kind.",
+        labels=["kind"],
+    )
+    for kind, h in sorted(client.latency_s.items()):
+        buckets = [(floatToGoString(b), float(n)) for b, n in h.cumulative()]
+        latency.add_metric([kind], buckets, sum_value=h.sum)
+    yield latency
+
+
+class MetricsServer:
+    """The running endpoint: prometheus_client's HTTP server on a daemon thread."""
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        """Stop serving (blocks up to the server's 0.5 s poll interval)."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=2.0)
+
+
+def start_metrics_server(node: Any, host: str, port: int) -> MetricsServer:
+    """Serve ``node``'s metrics on ``host:port`` (0: a free port, see ``.port``)."""
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(node, loop))
+    ProcessCollector(registry=registry)
+    server, thread = start_http_server(port, host, registry)
+    metrics = MetricsServer(server, thread)
+    log.info("metrics on http://%s:%d/metrics", host, metrics.port)
+    return metrics
