@@ -248,6 +248,16 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  loss {loss}, eval loss {ev}, {st['tokens']} tokens, {st['tokens_per_s']:.0f} tokens/s"
         )
+    sync = st.get("sync")
+    if sync:
+        rounds = ", ".join(f"{k} {v}" for k, v in sorted(sync["rounds"].items())) or "none yet"
+        per = sync["seconds_sum"] / sync["seconds_count"] if sync["seconds_count"] else 0.0
+        spread = "-" if sync.get("spread_rms") is None else f"{sync['spread_rms']:.2e}"
+        lines.append(
+            f"  sync {sync['method']}: {sync['outer_steps']} outer steps ({rounds}), "
+            f"{per:.2f}s per round, spread to last partner {spread}, "
+            f"{sync['bytes_sent'] / 1e6:.1f} MB sent, {sync['bytes_received'] / 1e6:.1f} MB received"
+        )
     lines.append("  peers:")
     for stage, peers in sorted(st["peers"].items(), key=lambda kv: int(kv[0])):
         if int(stage) < 0:

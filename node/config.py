@@ -58,6 +58,10 @@ class NetConfig:
     """IPv4 addresses zeroconf binds to; empty: every interface."""
     max_frame_bytes: int = 1 << 30
     """Largest request body accepted; larger ones are refused before they are read."""
+    inject_latency_s: float = 0.0
+    """Testbeds only: one-way delay added to every message this node sends (no netem here)."""
+    inject_bandwidth_mbps: float = 0.0
+    """Testbeds only: emulated uplink of this node in Mbit/s (0: unlimited)."""
     metrics_port: int = 0
     """Serve Prometheus metrics on this port (0: no metrics endpoint)."""
     metrics_host: str = "0.0.0.0"

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from node.config import Config, describe, parse_hostport
 from node.model import model_fingerprint
+from node.netem import ShapedTransport
 from node.runner import StageRunner
 from node.transport import RPC_PATH, HttpTransport, frame_response, read_frame
 from protocol.errors import ProtocolError
@@ -56,7 +57,7 @@ from swarm.discovery import (
 from swarm.membership import MembershipService
 from swarm.peers import PeerTable
 from swarm.routing import Router
-from swarm.seams import MonotonicClock, Refused, TransportError
+from swarm.seams import MonotonicClock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ class Node:
         self.rng = random.Random(self.peer_id)
         self.limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
         self.transport = HttpTransport(self.limits)
+        net = config.net
+        self.link: Transport = self.transport
+        if net.inject_latency_s or net.inject_bandwidth_mbps:
+            self.link = ShapedTransport(
+                self.transport, net.inject_latency_s, net.inject_bandwidth_mbps * 125_000 or None
+            )
         self.table = PeerTable(self.peer_id, config.membership.ttl_s)
         self.router = Router(self.rng)
         self.membership = MembershipService(
@@ -92,7 +99,7 @@ class Node:
             swarm=config.swarm.name,
             fingerprint=self.fingerprint,
             table=self.table,
-            transport=self.transport,
+            transport=self.link,
             clock=self.clock,
             self_record=self.record,
             rng=self.rng,
@@ -326,7 +333,7 @@ class Node:
         sources = sorted(self.table.replicas(self.stage), key=lambda p: -p.step)
         for peer in sources:
             try:
-                reply = await self.transport.request(
+                reply = await self.link.request(
                     peer.address, FetchState(stage=self.stage), timeout_s=60.0
                 )
                 state = expect(reply, StageState)
@@ -627,7 +634,7 @@ class Node:
         self.router.started(peer_id)
         t0 = time.monotonic()
         try:
-            expect(await self.transport.request(address, msg, self.config.train.hop_timeout_s), Ack)
+            expect(await self.link.request(address, msg, self.config.train.hop_timeout_s), Ack)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"
             self.router.finished(peer_id, False, self.clock.now())

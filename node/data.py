@@ -337,6 +337,9 @@ class DataConfig:
     num_shards: int = 4
     """Number of disjoint train shards; each head node trains on one."""
 
+    shard: int = -1
+    """This head node's shard; -1 derives it from the node's peer id."""
+
     seq_len: int = 128
     """Tokens per training sequence."""
 
@@ -347,6 +350,10 @@ class DataConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(
                 f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}"
+            )
+        if not -1 <= self.shard < self.num_shards:
+            raise ValueError(
+                f"DataConfig.shard must be -1 or in [0, {self.num_shards}), got {self.shard}"
             )
         for name in ("num_shards", "seq_len", "batch_size"):
             if getattr(self, name) < 1:

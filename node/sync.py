@@ -61,7 +61,7 @@ class StageSync:
                 round_deadline_s=self.config.round_deadline_s,
                 listen_s=self.config.listen_s,
             ),
-            transport=node.transport,
+            transport=node.link,
             clock=node.clock,
             rng=node.rng,
             self_id=node.peer_id,
@@ -69,7 +69,7 @@ class StageSync:
             replicas=lambda: node.table.replicas(node.stage),
         )
         self.ring = RingAllReduce(
-            node.transport,
+            node.link,
             node.clock,
             node.peer_id,
             codec=self.config.codec,

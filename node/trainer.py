@@ -106,7 +106,7 @@ class HeadTrainer:
     async def prepare(self) -> None:
         """Load this node's data shard and the shared eval split (on the compute thread)."""
         data = self.config.data
-        shard = int(self.node.peer_id[:8], 16) % data.num_shards
+        shard = data.shard if data.shard >= 0 else int(self.node.peer_id[:8], 16) % data.num_shards
 
         def load() -> TextDataset:
             docs = load_documents(data.path, data.text_field) if data.path else embedded_corpus()

@@ -156,7 +156,7 @@ def test_status_cli_text_and_json(swarm: Any) -> None:
         timeout=30,
         check=True,
     ).stdout
-    assert "head of 4 stages" in out and "stage 3: 1 peer(s)" in out
+    assert "head of 4 stages" in out and "stage 3: 1 peer(s)" in out and "sync noloco" in out
     js = subprocess.run(
         [sys.executable, "-m", "node", "status", "--json", head],
         capture_output=True,

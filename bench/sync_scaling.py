@@ -1,0 +1,238 @@
+"""Synchronisation time against the number of replicas: NoLoCo exchange vs ring all-reduce.
+
+Measured: for N = 2, 4, 8 replicas of one stage, N real processes (``bench/sync_worker.py``:
+the daemon's HTTP transport, its latency/bandwidth emulation and its sync services) start
+each repetition together; each reports how long its NoLoCo exchange and its ring
+all-reduce of the same stage-sized tensor took.
+
+Modelled: a latency/bandwidth model with two fitted constants (per-message overhead ``c``
+and per-byte processing cost ``k``), least-squares fitted to the measurements, with the
+fit error reported, then extended to N = 1024 along with a binary-tree all-reduce::
+
+    noloco = listen/2 + 2 (L + c) + 4 S (1/B + k)          one request and one reply, phi + delta each way
+    ring   = 2 (N-1) [2 (L + c) + S/N (1/B + k)]           every step waits for its chunk's acknowledgement
+    tree   = 2 ceil(log2 N) [2 (L + c) + S (1/B + k)]      reduce up, broadcast down
+
+Writes ``bench/results/sync_scaling.json`` and ``sync_scaling.png``.
+Usage: ``python -m bench.sync_scaling [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from node.config import resolve_config
+from node.demo import free_port
+from node.model import stage_blocks
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def stage_numel(preset: str = "tiny", num_block_stages: int = 3) -> int:
+    cfg = resolve_config(
+        None, {}, {"swarm.model": preset, "swarm.num_block_stages": str(num_block_stages)}
+    ).model
+    return len(stage_blocks(cfg, num_block_stages, 1)) * cfg.block_params()
+
+
+def measure(n: int, numel: int, args: argparse.Namespace) -> dict[str, Any]:
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    start_at = time.time() + 6.0 + 0.5 * n
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.sync_worker",
+        "--addresses",
+        ",".join(addresses),
+        "--numel",
+        str(numel),
+        "--reps",
+        str(args.reps),
+        "--start-at",
+        str(start_at),
+        "--period",
+        str(args.period),
+        "--latency-ms",
+        str(args.latency_ms),
+        "--bandwidth-mbps",
+        str(args.bandwidth_mbps),
+        "--listen-s",
+        str(args.listen_s),
+    ]
+    procs = [
+        subprocess.Popen([*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True)
+        for i in range(n)
+    ]
+    rows = []
+    for p in procs:
+        out, _ = p.communicate(timeout=start_at - time.time() + args.reps * args.period + 120)
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    noloco = [r["s"] for r in rows if r["method"] == "noloco"]
+    ring = [r["s"] for r in rows if r["method"] == "ring" and r["ok"]]
+    return {
+        "n": n,
+        "noloco_s": statistics.median(noloco),
+        "ring_s": statistics.median(ring) if ring else None,
+        "noloco_paired_fraction": sum(r["paired"] for r in rows if r["method"] == "noloco")
+        / len(noloco),
+        "ring_failed": sum(1 for r in rows if r["method"] == "ring" and not r["ok"]),
+        "samples": len(noloco),
+    }
+
+
+def model(
+    n: int, s_bytes: float, lat: float, bw: float, listen: float, c: float, k: float
+) -> dict[str, float]:
+    per = 1.0 / bw + k
+    return {
+        "noloco_s": listen / 2 + 2 * (lat + c) + 4 * s_bytes * per,
+        "ring_s": 2 * (n - 1) * (2 * (lat + c) + s_bytes / n * per),
+        "tree_s": 2 * math.ceil(math.log2(n)) * (2 * (lat + c) + s_bytes * per) if n > 1 else 0.0,
+    }
+
+
+def fit(
+    measured: list[dict[str, Any]], s_bytes: float, lat: float, bw: float, listen: float
+) -> tuple[float, float]:
+    """Least-squares ``c`` and ``k`` (both enter the model linearly)."""
+    rows, ys = [], []
+    for m in measured:
+        n = m["n"]
+        rows.append((2.0, 4 * s_bytes))
+        ys.append(m["noloco_s"] - listen / 2 - 2 * lat - 4 * s_bytes / bw)
+        if m["ring_s"] is not None:
+            rows.append((4.0 * (n - 1), 2 * (n - 1) * s_bytes / n))
+            ys.append(m["ring_s"] - 2 * (n - 1) * (2 * lat + s_bytes / n / bw))
+    a11 = sum(r[0] * r[0] for r in rows)
+    a12 = sum(r[0] * r[1] for r in rows)
+    a22 = sum(r[1] * r[1] for r in rows)
+    b1 = sum(r[0] * y for r, y in zip(rows, ys, strict=True))
+    b2 = sum(r[1] * y for r, y in zip(rows, ys, strict=True))
+    det = a11 * a22 - a12 * a12
+    return (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sim = result["simulated"]
+    ns = [r["n"] for r in sim]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.loglog(ns, [r["ring_s"] for r in sim], "-", color="tab:red", label="ring all-reduce (model)")
+    ax.loglog(
+        ns, [r["tree_s"] for r in sim], "-", color="tab:orange", label="tree all-reduce (model)"
+    )
+    ax.loglog(
+        ns, [r["noloco_s"] for r in sim], "-", color="tab:blue", label="NoLoCo exchange (model)"
+    )
+    meas = result["measured"]
+    ax.loglog(
+        [m["n"] for m in meas],
+        [m["ring_s"] for m in meas],
+        "o",
+        color="tab:red",
+        label="ring (measured)",
+    )
+    ax.loglog(
+        [m["n"] for m in meas],
+        [m["noloco_s"] for m in meas],
+        "o",
+        color="tab:blue",
+        label="NoLoCo (measured)",
+    )
+    p = result["params"]
+    ax.set_title(
+        f"Sync time of one stage ({p['stage_bytes'] / 1e6:.1f} MB), {p['latency_ms']:.0f} ms one-way, {p['bandwidth_mbps']:.0f} Mbit/s"
+    )
+    ax.set_xlabel("replicas of the stage (N)")
+    ax.set_ylabel("seconds per synchronisation")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="N = 2, 4 and 2 repetitions (a smoke run)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--period", type=float, default=8.0, help="seconds between repetitions")
+    p.add_argument("--latency-ms", type=float, default=25.0)
+    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--listen-s", type=float, default=0.05)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    ns = [2, 4] if args.quick else [2, 4, 8]
+    if args.quick:
+        args.reps = 2
+    numel = stage_numel(args.preset)
+    s_bytes, lat, bw = 4.0 * numel, args.latency_ms / 1000, args.bandwidth_mbps * 125_000
+    measured = []
+    for n in ns:
+        m = measure(n, numel, args)
+        print(
+            f"N={n}: noloco {m['noloco_s']:.3f}s (paired {m['noloco_paired_fraction']:.0%}), ring {m['ring_s']}",
+            flush=True,
+        )
+        measured.append(m)
+    c, k = fit(measured, s_bytes, lat, bw, args.listen_s)
+    for m in measured:
+        pred = model(m["n"], s_bytes, lat, bw, args.listen_s, c, k)
+        m["model_noloco_s"], m["model_ring_s"] = pred["noloco_s"], pred["ring_s"]
+    errors = [
+        abs(m[f"model_{k_}"] - m[k_]) / m[k_]
+        for m in measured
+        for k_ in ("noloco_s", "ring_s")
+        if m[k_]
+    ]
+    simulated = [
+        {"n": n, **model(n, s_bytes, lat, bw, args.listen_s, c, k)}
+        for n in [2**i for i in range(1, 11)]
+    ]
+    for row in simulated:
+        row["ring_over_noloco"] = row["ring_s"] / row["noloco_s"]
+        row["tree_over_noloco"] = row["tree_s"] / row["noloco_s"]
+    result = {
+        "params": {
+            "stage_numel": numel,
+            "stage_bytes": s_bytes,
+            "latency_ms": args.latency_ms,
+            "bandwidth_mbps": args.bandwidth_mbps,
+            "listen_s": args.listen_s,
+            "reps": args.reps,
+            "fitted_overhead_per_message_s": c,
+            "fitted_cost_per_byte_s": k,
+            "model_max_relative_error": max(errors),
+        },
+        "measured": measured,
+        "simulated": simulated,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sync_scaling.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "sync_scaling.png")
+    last = simulated[-1]
+    print(
+        f"model: c={c * 1e3:.2f} ms/message, k={k * 1e9:.2f} ns/byte, max error {max(errors):.0%}"
+    )
+    print(
+        f"N=1024: noloco {last['noloco_s']:.2f}s, ring {last['ring_s']:.1f}s ({last['ring_over_noloco']:.0f}x), "
+        f"tree {last['tree_s']:.2f}s ({last['tree_over_noloco']:.1f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
