@@ -36,6 +36,9 @@ class NodeConfig:
     """Torch intra-op threads of the compute thread (one node per core is the usual layout)."""
     state_dir: str = ""
     """Directory for this node's identity and state; empty: a fresh identity each start."""
+    init_dir: str = ""
+    """A model written by ``node export``: a stage with no live replica starts from its slice
+    of that model instead of the seed's initial weights (``node join --init DIR``)."""
     join_wait_s: float = 2.0
     """How long a joining node listens for peers before choosing a stage and fetching state."""
     drain_s: float = 3.0
@@ -153,6 +156,17 @@ class SyncConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    method: str = "checkfree"
+    """How a stage whose replicas are all gone is rebuilt: checkfree, checkfree+ or random."""
+    refill_wait_s: float = 10.0
+    """How long a stage may stay empty, waiting for a joining node, before a replica of the
+    stage with the most replicas moves there."""
+    lr_scale: float = 1.1
+    """Learning-rate multiplier of a rebuilt replica's fresh Adam (CheckFree: 1.1)."""
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     net: NetConfig = field(default_factory=NetConfig)
@@ -162,6 +176,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
 
 def resolve_config(
@@ -300,6 +315,14 @@ def _validate(c: Config) -> None:
     if c.sync.method not in ("noloco", "diloco", "allreduce", "none"):
         raise ValueError(
             f"sync.method must be noloco, diloco, allreduce or none, not {c.sync.method!r}"
+        )
+    if c.recovery.method not in ("checkfree", "checkfree+", "random"):
+        raise ValueError(
+            f"recovery.method must be checkfree, checkfree+ or random, not {c.recovery.method!r}"
+        )
+    if c.recovery.method == "checkfree+" and c.swarm.num_block_stages < 4:
+        raise ValueError(
+            "recovery.method checkfree+ needs at least 4 block stages (swarm.num_block_stages)"
         )
     if c.sync.codec not in ("fp32", "bf16", "int8"):
         raise ValueError(f"sync.codec must be fp32, bf16 or int8, not {c.sync.codec!r}")

@@ -26,6 +26,7 @@ from aiohttp import web
 from node.config import Config, describe, parse_hostport
 from node.model import model_fingerprint
 from node.netem import ShapedTransport
+from node.recovery import RecoveryService
 from node.runner import StageRunner
 from node.transport import RPC_PATH, HttpTransport, frame_response, read_frame
 from protocol.errors import ProtocolError
@@ -107,6 +108,7 @@ class Node:
         self.runner: StageRunner | None = None
         self.trainer: Any = None  # node.trainer.HeadTrainer on stage 0
         self.sync: Any = None  # node.sync.StageSync once joined
+        self.recovery = RecoveryService(self)
         self.discovery: ZeroconfDiscovery | None = None
         self.counters: Counter[str] = Counter()
         self._queue: asyncio.PriorityQueue[tuple[int, int, Job]] = asyncio.PriorityQueue()
@@ -176,6 +178,7 @@ class Node:
         }
         if self.sync is not None:
             out["sync"] = self.sync.status()
+        out["recovery"] = self.recovery.status()
         if self.trainer is not None:
             out.update(self.trainer.status())
         return out
@@ -209,6 +212,7 @@ class Node:
                     background += [
                         tg.create_task(self._worker()),
                         tg.create_task(self._housekeeping()),
+                        tg.create_task(self.recovery.run()),
                     ]
                     if self.trainer is not None:
                         background.append(tg.create_task(self.trainer.run()))
@@ -313,21 +317,43 @@ class Node:
             log.info("stage auto: replicas per stage %s -> joining stage %d", counts, self.stage)
         else:
             self.stage = int(self.config.node.stage)
-        self.runner = StageRunner(self.config, self.stage)
-        await self.runner.start()
-        if self.stage == 0:
-            from node.trainer import HeadTrainer
+        await self._take_stage(self.stage)
 
+    async def _take_stage(self, stage: int) -> None:
+        """Build ``stage``'s runner, get its weights (copy, rebuild or seed), start serving it."""
+        from node.sync import StageSync
+        from node.trainer import HeadTrainer
+
+        self.stage = stage
+        self.runner = StageRunner(self.config, stage)
+        await self.runner.start()
+        if stage == 0:
             self.trainer = HeadTrainer(self)
             await self.trainer.prepare()
-        await self._fetch_state()
-        from node.sync import StageSync
-
+        if not await self._fetch_state() and any(p.step > 0 for p in self.table.records()):
+            # The swarm has trained and this stage has no replica left: it was lost.
+            await self.recovery.rebuild(stage)
         self.sync = StageSync(self)
         self.ready = True
         log.info("serving stage %d (step %d)", self.stage, self.runner.step)
 
-    async def _fetch_state(self) -> None:
+    async def move_to(self, stage: int) -> None:
+        """Leave this block stage for ``stage``: stop taking work, drain, switch, rebuild."""
+        assert self.runner is not None and self.stage != 0, "head nodes do not move"
+        old = self.runner
+        self.ready = False  # peers stop routing to us; new work is refused with not_ready
+        deadline = time.monotonic() + self.config.node.drain_s
+        while (
+            self._queue.qsize() or self._busy or self.sync._running
+        ) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        while not self._queue.empty():
+            self._queue.get_nowait()
+            self.counters["jobs_dropped_on_move"] += 1
+        await self._take_stage(stage)
+        old.close()
+
+    async def _fetch_state(self) -> bool:
         """Copy the weights of the most advanced live replica of our stage, if there is one."""
         assert self.runner is not None
         sources = sorted(self.table.replicas(self.stage), key=lambda p: -p.step)
@@ -344,10 +370,21 @@ class Node:
             log.info(
                 "copied stage %d state (step %d) from %s", self.stage, state.step, peer.peer_id[:8]
             )
-            return
+            return True
+        if self.config.node.init_dir:  # a new swarm from an export: load this stage's slice
+            from node.export import init_stage
+
+            await self.runner.run(init_stage, self.runner, self.config.node.init_dir)
+            log.info(
+                "no live replica of stage %d: starting from the model in %s",
+                self.stage,
+                self.config.node.init_dir,
+            )
+            return False
         log.info(
             "no live replica of stage %d: starting from the seed's initial weights", self.stage
         )
+        return False
 
     async def _shutdown(self) -> None:
         log.info("leaving the swarm")
@@ -494,6 +531,17 @@ class Node:
             )
         if not msg.path or msg.path[0].stage != 0:
             raise Refused("bad_path", "a forward's path must start at its head node", 400)
+        block_stages = list(range(1, self.num_stages))
+        route = msg.route or block_stages
+        hop = len(msg.path) - 1
+        if sorted(route) != block_stages or (
+            self.stage != 0 and (hop >= len(route) or route[hop] != self.stage)
+        ):
+            raise Refused(
+                "bad_route",
+                f"route {msg.route} does not bring hop {hop} to stage {self.stage}",
+                400,
+            )
         x = self._activation(msg.tensors, msg.meta)
         if self.stage == 0:
             self.enqueue("loss", self.trainer.loss_job(msg, x))
@@ -556,7 +604,9 @@ class Node:
         async def job() -> Callable[[], Awaitable[bool]]:
             tensors, meta = await runner.run(compute)
             path = [*msg.path, Hop(self.stage, self.peer_id, self.address)]
-            nxt = self.stage + 1 if self.stage + 1 < self.num_stages else 0
+            route = msg.route or list(range(1, self.num_stages))
+            hop = len(msg.path) - 1  # our position in the route
+            nxt = route[hop + 1] if hop + 1 < len(route) else 0
             out = Forward(
                 mb_id=msg.mb_id,
                 target_stage=nxt,
@@ -564,6 +614,7 @@ class Node:
                 eval=msg.eval,
                 meta=meta,
                 tensors=tensors,
+                route=msg.route,
             )
             if nxt == 0:
                 return lambda: self.send_to(path[0], out)

@@ -354,6 +354,38 @@ class StageRunner:
         tensors["outer.m"] = self.outer_m.cpu()
         return tensors, self.step, self.samples
 
+    def params(self) -> dict[str, torch.Tensor]:
+        """This stage's weights by name (CPU copies), what a recovering neighbour needs."""
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def adopt_weights(self, params: dict[str, torch.Tensor], lr_scale: float) -> None:
+        """Take rebuilt weights (CheckFree) with a fresh Adam at ``lr * lr_scale``."""
+        own = self.module.state_dict()
+        if params.keys() != own.keys():
+            raise ValueError(
+                f"rebuilt weights do not fit stage {self.stage}: parameter names differ"
+            )
+        for k, v in params.items():
+            if v.shape != own[k].shape or not torch.isfinite(v).all():
+                raise ValueError(f"rebuilt tensor {k} has the wrong shape or is not finite")
+        self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
+        self.optimizer = torch.optim.Adam(
+            self.module.parameters(),
+            lr=lr_at(self.step, self.train),
+            betas=self.train.betas,
+            eps=1e-8,
+        )
+        self.lr_scale = lr_scale
+        self._init_outer()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._acc_samples = self._acc_microbatches = 0
+
+    def reinitialise(self, seed: int, lr_scale: float) -> None:
+        """Random re-initialisation from another seed (the baseline CheckFree beats)."""
+        c = self.config
+        fresh = build_stage(c.model, c.swarm.num_block_stages, self.stage, seed)
+        self.adopt_weights(fresh.state_dict(), lr_scale)
+
     def load(self, tensors: dict[str, torch.Tensor], step: int, samples: int) -> None:
         """Adopt a live replica's state; ``ValueError`` if it does not fit this stage."""
         own = self.module.state_dict()

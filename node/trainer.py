@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.data import ByteTokenizer, TextDataset, embedded_corpus, load_documents
+from node.data import TextDataset, open_dataset
 from protocol.messages import Backward, Forward, Hop
 from protocol.quant import encode_tensor
+from swarm.recovery import checkfree_plus_route
 
 if TYPE_CHECKING:
     from node.daemon import Node
@@ -109,16 +110,8 @@ class HeadTrainer:
         shard = data.shard if data.shard >= 0 else int(self.node.peer_id[:8], 16) % data.num_shards
 
         def load() -> TextDataset:
-            docs = load_documents(data.path, data.text_field) if data.path else embedded_corpus()
-            return TextDataset(
-                docs,
-                ByteTokenizer(),
-                eval_fraction=data.eval_fraction,
-                shard=shard,
-                num_shards=data.num_shards,
-                seed=self.config.swarm.seed,
-                seq_len=data.seq_len,
-            )
+            seed, vocab_size = self.config.swarm.seed, self.config.model.vocab_size
+            return open_dataset(data, shard=shard, seed=seed, vocab_size=vocab_size)
 
         assert self.node.runner is not None
         self.dataset = await self.node.runner.run(load)
@@ -209,19 +202,23 @@ class HeadTrainer:
         tensors, meta = await runner.run(
             lambda: encode_tensor(runner.head_embed(ids), codec, name="h")
         )
+        route: list[int] = []
+        if self.config.recovery.method == "checkfree+" and eval_result is None:
+            route = checkfree_plus_route(seq, self.config.swarm.num_block_stages)
         msg = Forward(
             mb_id=p.mb_id,
-            target_stage=1,
+            target_stage=route[0] if route else 1,
             path=[Hop(0, self.node.peer_id, self.node.address)],
             eval=eval_result is not None,
             meta=meta,
             tensors=tensors,
+            route=route,
         )
         self.node.counters["microbatches_issued"] += 1
         self._spawn(self._send_first(p, msg))
 
     async def _send_first(self, p: Pending, msg: Forward) -> None:
-        if not await self.node.send_to_stage(1, msg):
+        if not await self.node.send_to_stage(msg.target_stage, msg):
             p.deadline_s = 0.0  # re-issue at once rather than wait out the deadline
             self._wake.set()
 

@@ -101,6 +101,8 @@ class Forward(Message):
 
     ``path`` lists the hops so far, starting with the originating head node. A forward whose
     ``target_stage`` is 0 carries the last block stage's output home to ``path[0]``.
+    ``route`` is the order of block stages this microbatch visits; empty means 1, 2, ..., N
+    (CheckFree+ swaps the ends on odd microbatches).
     """
 
     TYPE: ClassVar[str] = "forward"
@@ -109,6 +111,7 @@ class Forward(Message):
     path: list[Hop]
     eval: bool
     meta: dict[str, Any]
+    route: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

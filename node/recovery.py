@@ -1,0 +1,157 @@
+"""Keeping every stage filled: detect a lost stage, refill it, rebuild its weights.
+
+Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recovery``):
+
+- **Watch.** Every second the node looks at its peer table; a stage with no ready replica
+  is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.trainer``
+  waits for a complete pipeline) rather than failing them.
+- **Refill.** A joining ``--stage auto`` node takes an empty stage first (``choose_stage``).
+  If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
+  stage with the most replicas (never its last) moves there; every node computes the same
+  answer from its table, so one node moves.
+- **Rebuild.** A node taking over a stage copies a live replica if there is one; otherwise
+  it follows the plan: CheckFree's gradient-norm-weighted average of the nearest live block
+  stages, CheckFree+'s copy of a boundary stage's swap partner, a single neighbour's copy,
+  or random re-initialisation (the baseline). Rebuilt weights start a fresh Adam at
+  ``lr * recovery.lr_scale``.
+
+Keeps the counts ``node status`` and the metrics show: recoveries by kind, seconds from the
+stage being seen empty to the node serving it, and the source stages used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protocol.messages import FetchState, PeerRecord, StageState, expect
+from swarm.recovery import RecoveryPlan, choose_mover, plan_recovery, random_seed, weighted_average
+from swarm.seams import TransportError
+
+if TYPE_CHECKING:
+    from node.daemon import Node
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryService:
+    """Watches for empty stages and rebuilds the one this node takes over."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.config = node.config.recovery
+        self.empty_since: dict[int, float] = {}
+        self.recoveries: Counter[str] = Counter()
+        self.seconds_sum = 0.0
+        self.seconds_count = 0
+        self.last: dict[str, Any] | None = None
+
+    def live(self) -> dict[int, list[PeerRecord]]:
+        """Ready replicas per stage, this node included when it serves."""
+        node = self.node
+        live = {s: list(node.table.replicas(s)) for s in range(node.num_stages)}
+        if node.ready and not node.leaving and node.stage >= 0:
+            live[node.stage].append(node.record())
+        return live
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self.check()
+
+    async def check(self) -> None:
+        """Note empty stages; move there if this node is the one that should."""
+        node = self.node
+        if not node.ready or node.leaving:
+            return
+        now = time.monotonic()
+        live = self.live()
+        for stage, replicas in live.items():
+            if replicas:
+                self.empty_since.pop(stage, None)
+            elif stage not in self.empty_since:
+                self.empty_since[stage] = now
+                log.warning("stage %d has no live replica", stage)
+        for stage, since in sorted(self.empty_since.items()):
+            if stage == 0 or node.stage == 0 or now - since < self.config.refill_wait_s:
+                continue  # the head stage is refilled by joining head nodes (it has no neighbours)
+            if choose_mover(stage, node.record(), live):
+                log.warning(
+                    "stage %d empty for %.0fs: moving there from stage %d",
+                    stage,
+                    now - since,
+                    node.stage,
+                )
+                await node.move_to(stage)
+                return
+
+    async def rebuild(self, stage: int) -> RecoveryPlan:
+        """Load ``stage``'s weights into the (new) runner following the recovery plan."""
+        node = self.node
+        runner = node.runner
+        assert runner is not None
+        t_empty = self.empty_since.get(stage, time.monotonic())
+        plan = plan_recovery(
+            stage, node.config.swarm.num_block_stages, self.live(), self.config.method
+        )
+        if plan.kind in ("copy", "seed"):
+            return plan  # the daemon copies a live replica itself; seed: nothing to rebuild
+        if plan.kind == "random":
+            seed = random_seed(node.rng)
+            await runner.run(runner.reinitialise, seed, self.config.lr_scale)
+        else:
+            states = [await self._fetch_params(src.stage) for src in plan.sources]
+            weights = [src.weight for src in plan.sources]
+            merged = await runner.run(weighted_average, states, weights)
+            await runner.run(runner.adopt_weights, merged, self.config.lr_scale)
+        seconds = time.monotonic() - t_empty
+        self.recoveries[plan.kind] += 1
+        self.seconds_sum += seconds
+        self.seconds_count += 1
+        self.last = {
+            "stage": stage,
+            "kind": plan.kind,
+            "sources": [{"stage": s.stage, "weight": round(s.weight, 6)} for s in plan.sources],
+            "seconds": round(seconds, 2),
+        }
+        log.warning(
+            "rebuilt stage %d by %s from %s in %.1fs",
+            stage,
+            plan.kind,
+            self.last["sources"],
+            seconds,
+        )
+        return plan
+
+    async def _fetch_params(self, stage: int) -> dict[str, torch.Tensor]:
+        """Weights of the most advanced live replica of ``stage`` that answers."""
+        for peer in sorted(self.node.table.replicas(stage), key=lambda p: -p.step):
+            try:
+                reply = await self.node.link.request(
+                    peer.address, FetchState(stage=stage), timeout_s=60.0
+                )
+                state = expect(reply, StageState)
+            except (TransportError, ValueError) as e:
+                log.warning("fetching stage %d from %s failed: %s", stage, peer.peer_id[:8], e)
+                continue
+            return {
+                k.removeprefix("param."): v
+                for k, v in state.tensors.items()
+                if k.startswith("param.")
+            }
+        raise RuntimeError(f"no replica of stage {stage} answered")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "method": self.config.method,
+            "recoveries": dict(self.recoveries),
+            "seconds_sum": round(self.seconds_sum, 2),
+            "seconds_count": self.seconds_count,
+            "last": self.last,
+            "empty_stages": sorted(self.empty_since),
+        }

@@ -1,0 +1,106 @@
+"""A whole stage dies mid-run: the swarm notices, refills and rebuilds it, and trains on."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node.cli import fetch_status
+from node.demo import LocalSwarm, request_eval, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+BASE = {
+    "node.join_wait_s": "1.0",
+    "train.eval_interval_s": "0",
+    "train.hop_timeout_s": "3",
+    "train.microbatch_deadline_s": "8",
+    "membership.ttl_s": "3",
+    "recovery.refill_wait_s": "3",
+    "sync.method": "none",
+}
+
+
+def wait_for(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def kill_stage(s: LocalSwarm, addresses: list[str]) -> None:
+    ports = {a.rsplit(":", 1)[1] for a in addresses}
+    for name, proc, _ in s.procs:
+        if name.rsplit("-", 1)[1] in ports:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def recovered(addresses: list[str], kind: str) -> str | None:
+    for a in addresses:
+        try:
+            rec = fetch_status(a, timeout_s=2)["recovery"]
+        except ValueError:
+            continue
+        if rec["recoveries"].get(kind):
+            return a
+    return None
+
+
+def run_failure(
+    tmp_path: Path, settings: dict[str, str], plan: list[int], lost: int, kind: str
+) -> None:
+    s = LocalSwarm(tmp_path, {**BASE, **settings})
+    try:
+        addresses = [s.start_node(stage) for stage in plan]
+        for a in addresses:
+            wait_ready(a, 90, s)
+        head = addresses[0]
+        wait_for(lambda: fetch_status(head)["step"] >= 60, 200, "60 head steps")
+        before = request_eval(head)
+        victims = [a for a, stage in zip(addresses, plan, strict=True) if stage == lost]
+        kill_stage(s, victims)
+        step_at_kill = fetch_status(head)["step"]
+        survivors = [a for a in addresses if a not in victims]
+        wait_for(
+            lambda: recovered(survivors, kind) is not None, 90, f"a {kind} rebuild of stage {lost}"
+        )
+        mover = recovered(survivors, kind)
+        assert mover is not None
+        st = fetch_status(mover)
+        assert st["stage"] == lost and st["ready"]
+        assert st["recovery"]["last"]["kind"] == kind
+        wait_for(
+            lambda: fetch_status(head)["step"] >= step_at_kill + 60,
+            200,
+            "60 steps after the rebuild",
+        )
+        after = request_eval(head)
+        print(
+            f"{kind}: eval {before:.3f} before losing stage {lost}, {after:.3f} 60 steps after; {st['recovery']['last']}"
+        )
+        assert after < before + 0.25, (before, after)
+    finally:
+        s.stop(grace_s=5)
+
+
+def test_middle_stage_lost_is_rebuilt_from_its_neighbours(tmp_path: Path) -> None:
+    # head, stage 1 x2, stage 2, stage 3: stage 2 dies; a stage-1 replica moves and averages 1 and 3
+    run_failure(
+        tmp_path, {"recovery.method": "checkfree"}, [0, 1, 1, 2, 3], lost=2, kind="checkfree"
+    )
+
+
+def test_boundary_stage_lost_under_checkfree_plus_copies_its_swap_partner(tmp_path: Path) -> None:
+    settings = {
+        "recovery.method": "checkfree+",
+        "swarm.num_block_stages": "4",
+        "model.num_blocks": "4",
+    }
+    run_failure(tmp_path, settings, [0, 1, 2, 2, 3, 4], lost=1, kind="swap_copy")
