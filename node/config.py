@@ -158,12 +158,21 @@ class SyncConfig:
 @dataclass(frozen=True)
 class RecoveryConfig:
     method: str = "checkfree"
-    """How a stage whose replicas are all gone is rebuilt: checkfree, checkfree+ or random."""
+    """How a stage whose replicas are all gone is rebuilt: checkfree, checkfree+, checkpoint
+    (the restart baseline: every node saves, a lost stage reloads and everyone rolls back)
+    or random (re-initialisation baseline)."""
     refill_wait_s: float = 10.0
     """How long a stage may stay empty, waiting for a joining node, before a replica of the
     stage with the most replicas moves there."""
     lr_scale: float = 1.1
     """Learning-rate multiplier of a rebuilt replica's fresh Adam (CheckFree: 1.1)."""
+    head_backup_every: int = 20
+    """CheckFree+: head nodes copy their weights to stage-1 replicas every this many steps."""
+    checkpoint_every: int = 50
+    """Checkpoint baseline: every node saves its stage every this many steps."""
+    checkpoint_dir: str = ""
+    """Checkpoint baseline: directory every node can reach; empty: one in the system temp dir
+    named after the swarm (enough for a swarm on one machine)."""
 
 
 @dataclass(frozen=True)
@@ -316,9 +325,10 @@ def _validate(c: Config) -> None:
         raise ValueError(
             f"sync.method must be noloco, diloco, allreduce or none, not {c.sync.method!r}"
         )
-    if c.recovery.method not in ("checkfree", "checkfree+", "random"):
+    if c.recovery.method not in ("checkfree", "checkfree+", "checkpoint", "random"):
         raise ValueError(
-            f"recovery.method must be checkfree, checkfree+ or random, not {c.recovery.method!r}"
+            "recovery.method must be checkfree, checkfree+, checkpoint or random, "
+            f"not {c.recovery.method!r}"
         )
     if c.recovery.method == "checkfree+" and c.swarm.num_block_stages < 4:
         raise ValueError(

@@ -38,12 +38,14 @@ from protocol.messages import (
     FetchState,
     Forward,
     GossipRequest,
+    HeadBackup,
     Hello,
     Hop,
     Leave,
     Message,
     PeerRecord,
     RingChunk,
+    Rollback,
     StageState,
     expect,
 )
@@ -137,6 +139,7 @@ class Node:
             leaving=self.leaving,
             grad_norm=r.thermo.grad_norm if r else 0.0,
             loss=self.trainer.last_loss if self.trainer else None,
+            head_backup_step=self.recovery.head_backup_step,
         )
 
     def status(self) -> dict[str, Any]:
@@ -437,6 +440,7 @@ class Node:
                 if send is not None:
                     self.spawn(self._guard(send))
                 self.sync.poll()
+                self.recovery.poll()
             except Exception:
                 self.counters["job_errors"] += 1
                 log.exception("job failed")
@@ -500,6 +504,14 @@ class Node:
         if isinstance(msg, RingChunk):
             self._check_serving()
             self.sync.on_ring_chunk(msg)
+            return Ack()
+        if isinstance(msg, HeadBackup):
+            self._check_serving()
+            self.recovery.on_head_backup(msg)
+            return Ack()
+        if isinstance(msg, Rollback):
+            self._check_serving()
+            await self.recovery.on_rollback(msg)
             return Ack()
         raise Refused("unexpected_message", f"{msg.TYPE!r} is not a request", 400)
 
@@ -571,6 +583,9 @@ class Node:
 
     async def _on_fetch_state(self, msg: FetchState) -> StageState:
         self._check_serving()
+        backup = self.recovery.head_backup
+        if msg.stage == 0 and self.stage != 0 and backup is not None:
+            return StageState(stage=0, step=backup[0], samples=0, tensors=backup[1])
         if msg.stage != self.stage:
             raise Refused("wrong_stage", f"this node serves stage {self.stage}, not {msg.stage}")
         assert self.runner is not None

@@ -12,8 +12,14 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
 - **Rebuild.** A node taking over a stage copies a live replica if there is one; otherwise
   it follows the plan: CheckFree's gradient-norm-weighted average of the nearest live block
   stages, CheckFree+'s copy of a boundary stage's swap partner, a single neighbour's copy,
-  or random re-initialisation (the baseline). Rebuilt weights start a fresh Adam at
+  or random re-initialisation (a baseline). Rebuilt weights start a fresh Adam at
   ``lr * recovery.lr_scale``.
+- **CheckFree+ head backups.** Head nodes send their (small) weights to stage-1 replicas
+  every ``head_backup_every`` steps; a node that takes over an empty head stage copies the
+  freshest backup.
+- **Checkpoint-restart** (the other baseline): every node saves its stage every
+  ``checkpoint_every`` steps; a lost stage restarts from its last save, and the node that
+  restarts it tells every peer to roll back to its own last save.
 
 Keeps the counts ``node status`` and the metrics show: recoveries by kind, seconds from the
 stage being seen empty to the node serving it, and the source stages used.
@@ -23,15 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.messages import FetchState, PeerRecord, StageState, expect
+from node.checkpoint import load_checkpoint, save_checkpoint
+from protocol.messages import FetchState, HeadBackup, PeerRecord, Rollback, StageState, expect
 from swarm.recovery import RecoveryPlan, choose_mover, plan_recovery, random_seed, weighted_average
-from swarm.seams import TransportError
+from swarm.seams import Refused, TransportError
 
 if TYPE_CHECKING:
     from node.daemon import Node
@@ -50,6 +59,85 @@ class RecoveryService:
         self.seconds_sum = 0.0
         self.seconds_count = 0
         self.last: dict[str, Any] | None = None
+        self.head_backup: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._last_backup_step = 0
+        self._last_save_step = 0
+        self._busy = False
+        self.checkpoint_dir = self.config.checkpoint_dir or str(
+            Path(tempfile.gettempdir()) / f"murmuration-checkpoints-{node.config.swarm.name}"
+        )
+
+    @property
+    def head_backup_step(self) -> int:
+        return self.head_backup[0] if self.head_backup else 0
+
+    def poll(self) -> None:
+        """After each job: save a checkpoint or send a head backup when one is due."""
+        node, runner = self.node, self.node.runner
+        if runner is None or not node.ready or node.leaving or self._busy:
+            return
+        if (
+            self.config.method == "checkpoint"
+            and runner.step >= self._last_save_step + self.config.checkpoint_every
+        ):
+            self._busy, self._last_save_step = True, runner.step
+            node.spawn(self._save())
+        elif (
+            self.config.method == "checkfree+"
+            and node.stage == 0
+            and runner.step >= self._last_backup_step + self.config.head_backup_every
+        ):
+            self._busy, self._last_backup_step = True, runner.step
+            node.spawn(self._send_head_backup())
+
+    async def _save(self) -> None:
+        runner = self.node.runner
+        assert runner is not None
+        try:
+            tensors, step, samples = await runner.run(runner.snapshot)
+            await runner.run(
+                save_checkpoint, self.checkpoint_dir, self.node.stage, tensors, step, samples
+            )
+        finally:
+            self._busy = False
+
+    async def _send_head_backup(self) -> None:
+        runner = self.node.runner
+        assert runner is not None
+        try:
+            params = await runner.run(runner.params)
+            msg = HeadBackup(step=runner.step, tensors={f"param.{k}": v for k, v in params.items()})
+            for peer in self.node.table.replicas(1)[:2]:
+                try:
+                    await self.node.link.request(peer.address, msg, timeout_s=30.0)
+                except TransportError as e:
+                    log.warning("head backup to %s failed: %s", peer.peer_id[:8], e)
+        finally:
+            self._busy = False
+
+    def on_head_backup(self, msg: HeadBackup) -> None:
+        if self.node.stage != 1:
+            raise Refused("wrong_stage", "head backups are kept by stage-1 replicas")
+        if msg.step >= self.head_backup_step:
+            self.head_backup = (msg.step, dict(msg.tensors))
+
+    async def on_rollback(self, msg: Rollback) -> None:
+        """Checkpoint-restart: another stage restarted from its save; go back to ours."""
+        runner = self.node.runner
+        if self.config.method != "checkpoint" or runner is None:
+            raise Refused("no_checkpoints", "this node does not use checkpoint-restart")
+        saved = await runner.run(load_checkpoint, self.checkpoint_dir, self.node.stage)
+        if saved is None:
+            return
+        tensors, step, samples = saved
+        await runner.run(runner.load, tensors, step, samples)
+        self.recoveries["rollback"] += 1
+        log.warning(
+            "rolled back to the step-%d checkpoint (stage %d restarted at step %d)",
+            step,
+            msg.stage,
+            msg.step,
+        )
 
     def live(self) -> dict[int, list[PeerRecord]]:
         """Ready replicas per stage, this node included when it serves."""
@@ -104,6 +192,28 @@ class RecoveryService:
         if plan.kind == "random":
             seed = random_seed(node.rng)
             await runner.run(runner.reinitialise, seed, self.config.lr_scale)
+        elif plan.kind == "checkpoint":
+            saved = await runner.run(load_checkpoint, self.checkpoint_dir, stage)
+            if saved is None:
+                return RecoveryPlan(stage, "seed")
+            tensors, step, samples = saved
+            await runner.run(runner.load, tensors, step, samples)
+            await self._broadcast_rollback(stage, step)
+        elif plan.kind == "head_copy":
+            holder = max(
+                (r for rs in self.live().values() for r in rs if r.head_backup_step > 0),
+                key=lambda r: r.head_backup_step,
+            )
+            state = expect(
+                await node.link.request(holder.address, FetchState(stage=0), timeout_s=60.0),
+                StageState,
+            )
+            params = {
+                k.removeprefix("param."): v
+                for k, v in state.tensors.items()
+                if k.startswith("param.")
+            }
+            await runner.run(runner.adopt_weights, params, self.config.lr_scale)
         else:
             states = [await self._fetch_params(src.stage) for src in plan.sources]
             weights = [src.weight for src in plan.sources]
@@ -127,6 +237,17 @@ class RecoveryService:
             seconds,
         )
         return plan
+
+    async def _broadcast_rollback(self, stage: int, step: int) -> None:
+        msg = Rollback(stage=stage, step=step)
+
+        async def tell(peer: PeerRecord) -> None:
+            try:
+                await self.node.link.request(peer.address, msg, timeout_s=30.0)
+            except TransportError as e:
+                log.warning("rollback request to %s failed: %s", peer.peer_id[:8], e)
+
+        await asyncio.gather(*(tell(p) for p in self.node.table.records()))
 
     async def _fetch_params(self, stage: int) -> dict[str, torch.Tensor]:
         """Weights of the most advanced live replica of ``stage`` that answers."""
@@ -154,4 +275,5 @@ class RecoveryService:
             "seconds_count": self.seconds_count,
             "last": self.last,
             "empty_stages": sorted(self.empty_since),
+            "head_backup_step": self.head_backup_step,
         }

@@ -54,6 +54,8 @@ class PeerRecord:
     """The stage's latest post-clip gradient norm (CheckFree needs it)."""
     loss: float | None = None
     """Latest training loss, head-stage peers only."""
+    head_backup_step: int = 0
+    """Step of the head stage's weights this peer keeps a copy of (CheckFree+), 0 for none."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,23 @@ class RingChunk(Message):
     meta: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class HeadBackup(Message):
+    """CheckFree+: a head node's embedding, norms and LM head, kept by a block-stage peer."""
+
+    TYPE: ClassVar[str] = "head_backup"
+    step: int
+
+
+@dataclass(frozen=True)
+class Rollback(Message):
+    """Checkpoint-restart baseline: a stage restarted from its checkpoint; reload yours."""
+
+    TYPE: ClassVar[str] = "rollback"
+    stage: int
+    step: int
+
+
 MESSAGE_TYPES: Mapping[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -207,6 +226,8 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
         GossipRequest,
         GossipReply,
         RingChunk,
+        HeadBackup,
+        Rollback,
     )
 }
 

@@ -31,7 +31,7 @@ import torch
 from protocol.messages import PeerRecord
 
 EPSILON = 1e-4
-METHODS = ("checkfree", "checkfree+", "random")
+METHODS = ("checkfree", "checkfree+", "checkpoint", "random")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class Source:
 @dataclass(frozen=True)
 class RecoveryPlan:
     """How to obtain stage ``stage``'s weights: ``kind`` is copy, checkfree, swap_copy,
-    neighbour_copy, random, or seed (nothing to rebuild from: the swarm's initial weights)."""
+    neighbour_copy, head_copy, checkpoint, random, or seed (nothing to rebuild from: the
+    swarm's initial weights)."""
 
     stage: int
     kind: str
@@ -80,10 +81,14 @@ def plan_recovery(
         raise ValueError(f"recovery method must be one of {', '.join(METHODS)}, not {method!r}")
     if live.get(stage):
         return RecoveryPlan(stage, "copy", (Source(stage, 1.0),))
+    if method in ("random", "checkpoint"):
+        return RecoveryPlan(stage, method)
     if stage == 0:
-        return RecoveryPlan(stage, "seed")  # the head stage has no block neighbours
-    if method == "random":
-        return RecoveryPlan(stage, "random")
+        # The head stage has no block neighbours; CheckFree+ keeps copies of it on stage 1.
+        holders = [r for rs in live.values() for r in rs if r.head_backup_step > 0]
+        if method == "checkfree+" and holders:
+            return RecoveryPlan(stage, "head_copy", (Source(min(r.stage for r in holders), 1.0),))
+        return RecoveryPlan(stage, "seed")
     n = num_block_stages
     partner = swap_partner(stage, n) if method == "checkfree+" else None
     if partner is not None and (stage in (1, n)) and live.get(partner):

@@ -117,3 +117,27 @@ def test_never_empties_its_own_stage_and_ties_pick_one_stage() -> None:
 def test_head_nodes_are_never_donors() -> None:
     live = {0: [rec("a", 0), rec("b", 0), rec("c", 0)], 1: [rec("d", 1), rec("e", 1)], 2: []}
     assert [r.peer_id for rs in live.values() for r in rs if choose_mover(2, r, live)] == ["d"]
+
+
+def test_checkpoint_round_trip_and_wrong_file(tmp_path: "Path") -> None:  # noqa: F821
+    from node.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+
+    tensors = {"param.w": torch.arange(6.0).reshape(2, 3), "adam_m.w": torch.ones(2, 3)}
+    assert load_checkpoint(tmp_path, 2) is None
+    save_checkpoint(tmp_path, 2, tensors, step=40, samples=1280)
+    loaded, step, samples = load_checkpoint(tmp_path, 2)  # type: ignore[misc]
+    assert (step, samples) == (40, 1280) and torch.equal(loaded["param.w"], tensors["param.w"])
+    checkpoint_path(tmp_path, 2).rename(checkpoint_path(tmp_path, 3))
+    with pytest.raises(ValueError, match="not a checkpoint of stage 3"):
+        load_checkpoint(tmp_path, 3)
+
+
+def test_head_stage_plans() -> None:
+    live = live_table(4, {0})
+    assert plan_recovery(0, 4, live, "checkfree+").kind == "seed"  # nobody holds a backup
+    live[1] = [PeerRecord(peer_id="x", address="h:x", stage=1, ready=True, head_backup_step=40)]
+    assert plan_recovery(0, 4, live, "checkfree+") == RecoveryPlan(
+        0, "head_copy", (Source(1, 1.0),)
+    )
+    assert plan_recovery(0, 4, live, "checkfree").kind == "seed"
+    assert plan_recovery(2, 4, live_table(4, {2}), "checkpoint").kind == "checkpoint"
