@@ -1,4 +1,4 @@
-"""Command line: ``node join``, ``node status``, ``node demo`` (also ``murmur`` / ``python -m node``).
+"""Command line: ``node join``, ``status``, ``demo``, ``export``, ``generate`` (also ``murmur``).
 
 Owns argument parsing, user-facing output and exit codes. Flags are what a volunteer types;
 everything else lives in the TOML config file (``--config``), the environment
@@ -16,6 +16,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument(
         "--data",
         metavar="PATH",
-        help=".txt/.jsonl file, directory or glob (default: embedded corpus)",
+        help=".txt/.jsonl/.parquet file, directory, glob, or hf:NAME_OR_DIR (default: stdlib text)",
     )
     j.add_argument(
         "--state-dir", metavar="DIR", help="keep this node's identity here across restarts"
+    )
+    j.add_argument(
+        "--init",
+        metavar="DIR",
+        help="start a stage with no live replica from this exported model (node export)",
     )
     j.add_argument(
         "--no-zeroconf", action="store_true", help="do not announce or browse on the LAN"
@@ -117,6 +123,37 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     d.add_argument("--logs", metavar="DIR", help="write each node's log here (default: a temp dir)")
     d.set_defaults(func=_cmd_demo)
+
+    e = sub.add_parser("export", help="write the swarm's current model to a directory")
+    e.add_argument("address", metavar="ADDRESS", help="HOST:PORT of any node of the swarm")
+    e.add_argument("--out", required=True, metavar="DIR", help="directory to write the model to")
+    e.add_argument(
+        "--config", metavar="FILE.toml", help="the swarm's configuration file (model, seed)"
+    )
+    e.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="the swarm's settings beyond the file (repeatable)",
+    )
+    e.add_argument(
+        "--timeout-s", type=float, default=60.0, help="deadline of each state fetch (default 60)"
+    )
+    e.set_defaults(func=_cmd_export)
+
+    g = sub.add_parser("generate", help="sample text from an exported model (no swarm needed)")
+    g.add_argument("--model", required=True, metavar="DIR", help="directory written by node export")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (0.8)"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=40, help="sample among the K likeliest tokens; 0 = all (40)"
+    )
+    g.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (200)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    g.set_defaults(func=_cmd_generate)
     return p
 
 
@@ -142,12 +179,24 @@ def join_config(args: argparse.Namespace) -> Config:
         "sync.method": args.sync,
         "data.path": args.data,
         "node.state_dir": args.state_dir,
+        "node.init_dir": args.init,
         "net.metrics_port": args.metrics_port,
         "node.log_level": args.log_level,
         "net.zeroconf": False if args.no_zeroconf else None,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    return resolve_config(args.config, os.environ, overrides)
+    return with_tokenizer_vocab(resolve_config(args.config, os.environ, overrides))
+
+
+def with_tokenizer_vocab(config: Config) -> Config:
+    """``config`` with ``model.vocab_size`` raised to the size of ``data.tokenizer``'s
+    vocabulary (every node resolves it the same way, so fingerprints agree)."""
+    from node.data import model_vocab_size
+
+    vocab_size = model_vocab_size(config.data, config.model.vocab_size)
+    if vocab_size == config.model.vocab_size:
+        return config
+    return replace(config, model=replace(config.model, vocab_size=vocab_size))
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
@@ -156,6 +205,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
             print(f"{key} = {default}\n    {doc}")
         return 0
     config = join_config(args)
+    if config.node.init_dir:
+        from node.export import check_init_dir
+
+        check_init_dir(config.node.init_dir, config.model)  # a clear error before joining
     from node.logs import setup_logging
 
     setup_logging(config.node.log_level)
@@ -275,3 +328,42 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from node.demo import run_demo
 
     return run_demo(args)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from node.export import export_model
+
+    status = fetch_status(args.address)
+    overrides: dict[str, Any] = parse_sets(args.set)
+    # The node's own split is the truth; model preset, overrides and seed come from the
+    # given config and are checked against the node's fingerprint.
+    overrides["swarm.num_block_stages"] = status["num_stages"] - 1
+    config = with_tokenizer_vocab(resolve_config(args.config, os.environ, overrides))
+    info = export_model(status, config, args.out, timeout_s=args.timeout_s)
+    for src in info.sources:
+        print(
+            f"stage {src['stage']}: step {src['step']} from {src['peer_id'][:8]} at {src['address']}"
+        )
+    print(
+        f"wrote {Path(args.out) / 'model.safetensors'} ({info.model.num_params():,} parameters, "
+        f"fingerprint {info.fingerprint}) and config.json"
+    )
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from node.export import generate, load_export, load_export_tokenizer
+
+    model, info = load_export(args.model)
+    tokenizer = load_export_tokenizer(args.model, info)
+    text = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(args.prompt + text)
+    return 0

@@ -1,12 +1,19 @@
 """Training text: the byte tokenizer, the embedded default corpus, loading and sharding.
 
 Owns turning text into token batches for the head stage (ALGORITHMS.md section 1: the head
-stage holds the data loader and tokenizer): ``ByteTokenizer``; ``embedded_corpus``, English
-prose from the docstrings of the Python standard library, so a swarm can train with no
-download; ``load_documents`` for user corpora (.txt, .jsonl, directories, globs); the fixed
-eval split and disjoint train shards by stable document hash; ``TextDataset`` with random
-training windows and deterministic eval windows. Does not own the model, the training loop,
-curricula or anything on the wire.
+stage holds the data loader and tokenizer): ``ByteTokenizer`` (the default) and a Hugging
+Face ``tokenizer.json`` by path (``load_tokenizer``); ``embedded_corpus``, English prose from
+the docstrings of the Python standard library, so a swarm can train with no download;
+``load_documents`` for user corpora (.txt, .jsonl, Parquet, directories, globs, and Hugging
+Face ``datasets`` with ``hf:NAME_OR_DIR``); the fixed eval split and disjoint train shards by
+stable document hash; ``TextDataset``, which packs each split's documents into fixed-length
+sequences and serves random training sequences and fixed eval sequences; ``open_dataset``,
+all of that from a ``DataConfig``, checked before training starts. Does not own the model,
+the training loop, curricula or anything on the wire.
+
+Parquet needs ``pyarrow``, ``hf:`` needs ``datasets`` and ``tokenizer.json`` needs
+``tokenizers``: the optional ``data`` extra (``pip install murmuration[data]``). They are
+imported only when used, so the byte-level default works without them.
 
 The embedded corpus depends on the Python version (its standard library's docstrings), so
 two head nodes only see the same corpus, and the same eval split, when they run the same
@@ -31,7 +38,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -69,6 +76,55 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+
+# Tokens that end a document, in the order they are looked for in a tokenizer.json.
+_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer read from a ``tokenizer.json`` file.
+
+    ``vocab_size`` counts added tokens too. Documents are separated by the first end-of-text
+    token the vocabulary has (``_EOS_TOKENS``), else by the encoding of a blank line.
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError:
+            raise ValueError(
+                "a tokenizer.json needs the 'tokenizers' package: pip install murmuration[data]"
+            ) from None
+        if not Path(path).is_file():
+            raise ValueError(f"tokenizer file not found: {path}")
+        try:
+            self._tok = _HFTokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises its own Exception subclasses
+            raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from exc
+        self.path = path
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        if self.vocab_size < 1:
+            raise ValueError(f"{path}: the tokenizer has an empty vocabulary")
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos = next((vocab[t] for t in _EOS_TOKENS if t in vocab), None)
+        self.separator_ids: list[int] = [eos] if eos is not None else self.encode(_DOC_SEPARATOR)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: str = self._tok.decode(list(ids), skip_special_tokens=False)
+        return out
+
+
+def load_tokenizer(path: str) -> ByteTokenizer | HFTokenizer:
+    """The byte-level tokenizer for ``""``, else the ``tokenizer.json`` at ``path``."""
+    return HFTokenizer(path) if path else ByteTokenizer()
 
 
 @dataclass(frozen=True)
@@ -214,7 +270,8 @@ def embedded_corpus(cache_dir: Path | None = None) -> list[Document]:
 # ---------------------------------------------------------------------------------------
 # User corpora
 
-_SUFFIXES = (".txt", ".jsonl")
+_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_HF_PREFIX = "hf:"
 
 
 def _read_text(path: Path) -> str:
@@ -241,6 +298,33 @@ def _read_jsonl(path: Path, doc_id: str, text_field: str) -> list[Document]:
     return docs
 
 
+def _read_parquet(path: Path, doc_id: str, text_field: str) -> list[Document]:
+    """One document per row of column ``text_field``; ``doc_id`` gets ``:<row>`` (from 0)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{path}: Parquet needs the 'pyarrow' package: pip install murmuration[data]"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise ValueError(f"{path}: cannot read as Parquet ({exc})") from exc
+    if text_field not in table.column_names:
+        raise ValueError(
+            f"{path}: no column {text_field!r}; columns: {', '.join(table.column_names)}"
+        )
+    column = table.column(text_field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise ValueError(f"{path}: column {text_field!r} holds {column.type}, not strings")
+    return [
+        Document(f"{doc_id}:{row}", text)
+        for row, text in enumerate(column.to_pylist())
+        if text is not None
+    ]
+
+
 def _glob_base(pattern: str) -> Path:
     """The directory part of ``pattern`` before its first wildcard."""
     parts = Path(pattern).parts
@@ -248,29 +332,48 @@ def _glob_base(pattern: str) -> Path:
     return Path(*parts[:first_magic]) if first_magic else Path(".")
 
 
-def load_documents(path: str, text_field: str = "text") -> list[Document]:
+def load_documents(
+    path: str,
+    text_field: str = "text",
+    *,
+    hf_split: str = "train",
+    streaming: bool = False,
+    max_documents: int = 0,
+) -> list[Document]:
     """Documents from a .txt file (one document), a .jsonl file (one per line, text under
-    ``text_field``), a directory (every .txt/.jsonl under it, recursive, sorted) or a glob.
+    ``text_field``), a Parquet file (one per row of column ``text_field``), a directory
+    (every such file under it, recursive, sorted), a glob, or ``hf:NAME_OR_DIR`` (see
+    ``load_hf_documents``; ``hf_split``, ``streaming`` and ``max_documents`` apply to it).
 
     ``doc_id`` is the file path relative to the directory (or glob prefix, or the file's own
-    directory), plus ``:<line>`` for jsonl, so it is the same on every node.
+    directory), plus ``:<line>`` for jsonl and ``:<row>`` for Parquet, so it is the same on
+    every node.
     """
+    if path.startswith(_HF_PREFIX):
+        return load_hf_documents(
+            path[len(_HF_PREFIX) :],
+            text_field,
+            split=hf_split,
+            streaming=streaming,
+            max_documents=max_documents,
+        )
     target = Path(path)
+    kinds = ".txt, .jsonl or .parquet"
     if target.is_file():
         if target.suffix not in _SUFFIXES:
-            raise ValueError(f"{path}: unsupported file type; expected .txt or .jsonl")
+            raise ValueError(f"{path}: unsupported file type; expected {kinds}")
         base, files = target.parent, [target]
     elif target.is_dir():
         base = target
         files = sorted(p for p in target.rglob("*") if p.suffix in _SUFFIXES and p.is_file())
         if not files:
-            raise ValueError(f"no .txt or .jsonl files under directory {path}")
+            raise ValueError(f"no {kinds} files under directory {path}")
     elif glob.has_magic(path):
         base = _glob_base(path)
         matches = (Path(p) for p in glob.glob(path, recursive=True))
         files = sorted(p for p in matches if p.suffix in _SUFFIXES and p.is_file())
         if not files:
-            raise ValueError(f"no .txt or .jsonl files match {path!r}")
+            raise ValueError(f"no {kinds} files match {path!r}")
     else:
         raise ValueError(f"corpus path not found: {path}")
 
@@ -279,11 +382,62 @@ def load_documents(path: str, text_field: str = "text") -> list[Document]:
         doc_id = file.relative_to(base).as_posix()
         if file.suffix == ".jsonl":
             docs.extend(_read_jsonl(file, doc_id, text_field))
+        elif file.suffix == ".parquet":
+            docs.extend(_read_parquet(file, doc_id, text_field))
         else:
             docs.append(Document(doc_id, _read_text(file)))
     docs = [d for d in docs if d.text]
     if not docs:
         raise ValueError(f"corpus at {path} is empty: every document has empty text")
+    return docs
+
+
+def load_hf_documents(
+    name: str, text_field: str, *, split: str, streaming: bool, max_documents: int
+) -> list[Document]:
+    """Documents from a Hugging Face dataset: a directory written by ``save_to_disk``, a
+    local dataset directory or data files, or a Hub name (downloaded by ``datasets``, or
+    streamed with ``streaming``). ``doc_id`` is ``hf:<split>:<index>``, the record's position
+    in the split, so every node that reads the same dataset agrees on it. ``max_documents``
+    (0: all) bounds what is read, which a streamed corpus usually needs.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            "hf: corpora need the 'datasets' package: pip install murmuration[data]"
+        ) from None
+    where = f"{_HF_PREFIX}{name}"
+    try:
+        if (Path(name) / "dataset_info.json").is_file() or (
+            Path(name) / "dataset_dict.json"
+        ).is_file():
+            loaded = datasets.load_from_disk(name)
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(f"{where}: no split {split!r}; splits: {', '.join(loaded)}")
+                loaded = loaded[split]
+            records: Iterable[Any] = loaded.to_iterable_dataset() if streaming else loaded
+        else:
+            records = datasets.load_dataset(name, split=split, streaming=streaming)
+    except ValueError:
+        raise
+    except Exception as exc:  # datasets raises many unrelated types (FileNotFoundError, hub errors)
+        raise ValueError(f"{where}: cannot load the dataset ({type(exc).__name__}: {exc})") from exc
+    docs: list[Document] = []
+    for index, record in enumerate(records):
+        if max_documents and index >= max_documents:
+            break
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"{where}: record {index} has no string field {text_field!r} ({fields})"
+            )
+        if text:
+            docs.append(Document(f"hf:{split}:{index}", text))
+    if not docs:
+        raise ValueError(f"corpus at {where} (split {split!r}) is empty")
     return docs
 
 
@@ -326,10 +480,25 @@ class DataConfig:
     """Where the head stage's text comes from and how it is cut into batches."""
 
     path: str | None = None
-    """Corpus file, directory or glob (.txt / .jsonl); None for the embedded stdlib corpus."""
+    """Corpus: a .txt/.jsonl/.parquet file, directory or glob, or hf:NAME_OR_DIR (Hugging
+    Face datasets); None for the embedded stdlib corpus."""
 
     text_field: str = "text"
-    """Field holding the text in .jsonl records."""
+    """Field holding the text in .jsonl records, Parquet columns and hf: datasets."""
+
+    tokenizer: str = ""
+    """Path of a Hugging Face tokenizer.json; empty for the byte-level tokenizer. With one,
+    model.vocab_size is raised to the tokenizer's vocabulary size (every node of the swarm
+    needs the same setting, since the vocabulary size is part of the model fingerprint)."""
+
+    hf_split: str = "train"
+    """Split of an hf: dataset."""
+
+    streaming: bool = False
+    """Stream an hf: dataset instead of downloading it whole (pair with max_documents)."""
+
+    max_documents: int = 0
+    """Read at most this many documents of an hf: dataset (0: all)."""
 
     eval_fraction: float = 0.02
     """Fraction of documents (by stable hash) held out for evaluation, same on every node."""
@@ -358,18 +527,55 @@ class DataConfig:
         for name in ("num_shards", "seq_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DataConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_documents < 0:
+            raise ValueError(f"DataConfig.max_documents must be >= 0, got {self.max_documents}")
+
+
+def model_vocab_size(data: DataConfig, vocab_size: int) -> int:
+    """The model's vocabulary size for ``data``: ``vocab_size`` raised to the tokenizer's
+    (a larger one is kept: its extra rows are never used). Reads the tokenizer file."""
+    if not data.tokenizer:
+        return vocab_size
+    return max(vocab_size, load_tokenizer(data.tokenizer).vocab_size)
 
 
 def _tokenize(docs: Sequence[Document], tokenizer: Tokenizer) -> Tensor:
-    text = _DOC_SEPARATOR.join(d.text for d in docs)
-    if isinstance(tokenizer, ByteTokenizer) and text:  # fast path: no Python list of ints
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    """Every document's tokens, documents separated, as one flat tensor."""
+    if isinstance(tokenizer, ByteTokenizer):  # fast path: no Python list of ints
+        text = _DOC_SEPARATOR.join(d.text for d in docs)
+        return (
+            torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+            if text
+            else (torch.empty(0, dtype=torch.uint8))
+        )
     dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32
-    return torch.tensor(tokenizer.encode(text), dtype=dtype)
+    if isinstance(tokenizer, HFTokenizer):
+        ids: list[int] = []
+        for i, doc_ids in enumerate(tokenizer.encode_batch([d.text for d in docs])):
+            if i:
+                ids.extend(tokenizer.separator_ids)
+            ids.extend(doc_ids)
+        return torch.tensor(ids, dtype=dtype)
+    return torch.tensor(tokenizer.encode(_DOC_SEPARATOR.join(d.text for d in docs)), dtype=dtype)
+
+
+def pack(tokens: Tensor, seq_len: int) -> Tensor:
+    """Cut a flat token stream into ``[n, seq_len + 1]`` rows, row ``i`` starting at token
+    ``i * seq_len``: consecutive rows share one token, so every token after the first is a
+    label exactly once. The tail shorter than a row is left out."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    num_rows = max(0, (tokens.numel() - 1) // seq_len)
+    return (
+        tokens.as_strided((num_rows, seq_len + 1), (seq_len, 1))
+        if num_rows
+        else (tokens.new_empty((0, seq_len + 1)))
+    )
 
 
 class TextDataset:
-    """One head node's view of the corpus: its train shard and the shared eval split."""
+    """One head node's view of the corpus: its train shard and the shared eval split, each
+    packed into fixed-length sequences (documents concatenated with a separator, then cut)."""
 
     def __init__(
         self,
@@ -383,7 +589,7 @@ class TextDataset:
         seq_len: int | None = None,
     ) -> None:
         """``seed`` orders the train documents before concatenation; the eval split keeps
-        the given order. With ``seq_len``, both splits are checked to hold a window now."""
+        the given order. With ``seq_len``, both splits are checked to hold a sequence now."""
         train, evals = split_documents(
             docs, eval_fraction=eval_fraction, shard=shard, num_shards=num_shards
         )
@@ -391,12 +597,13 @@ class TextDataset:
         self.train_doc_ids = tuple(d.doc_id for d in train)
         self.eval_doc_ids = tuple(d.doc_id for d in evals)
         self.num_shards = num_shards
+        self.vocab_size = tokenizer.vocab_size
         self.train_tokens = _tokenize(train, tokenizer)
         self.eval_tokens = _tokenize(evals, tokenizer)
         if seq_len is not None:
-            self._check_split("train", seq_len)
+            self._rows("train", seq_len)
             if eval_fraction > 0:
-                self._check_split("eval", seq_len)
+                self._rows("eval", seq_len)
 
     @property
     def num_train_tokens(self) -> int:
@@ -406,7 +613,8 @@ class TextDataset:
     def num_eval_tokens(self) -> int:
         return self.eval_tokens.numel()
 
-    def _check_split(self, split: str, seq_len: int) -> Tensor:
+    def _rows(self, split: str, seq_len: int) -> Tensor:
+        """The split packed into rows of ``seq_len + 1``; ``ValueError`` if it has none."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         tokens = self.train_tokens if split == "train" else self.eval_tokens
@@ -417,37 +625,75 @@ class TextDataset:
                 f"{seq_len + 1}; use {hint}, a shorter seq_len or a bigger corpus "
                 f"(num_shards={self.num_shards})"
             )
-        return tokens
+        return pack(tokens, seq_len)
 
     @staticmethod
-    def _windows(tokens: Tensor, starts: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-        chunk = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
+    def _split_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+        chunk = rows.long()
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     def sample_batch(
         self, rng: torch.Generator, batch_size: int, seq_len: int
     ) -> tuple[Tensor, Tensor]:
-        """Random train windows: ``ids, labels`` int64 ``[batch_size, seq_len]``, labels
-        being ids shifted left by one token."""
+        """Random packed train sequences: ``ids, labels`` int64 ``[batch_size, seq_len]``,
+        labels being ids shifted left by one token."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        tokens = self._check_split("train", seq_len)
-        starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=rng)
-        return self._windows(tokens, starts, seq_len)
+        rows = self._rows("train", seq_len)
+        picks = torch.randint(0, rows.shape[0], (batch_size,), generator=rng)
+        return self._split_rows(rows[picks])
 
     def eval_batches(
         self, num_batches: int, batch_size: int, seq_len: int
     ) -> list[tuple[Tensor, Tensor]]:
-        """Fixed windows evenly spaced over the eval split, the same on every call and node."""
+        """Fixed packed sequences evenly spread over the eval split (from its first to its
+        last full sequence), the same on every call and node."""
         if num_batches < 1 or batch_size < 1:
             raise ValueError(
                 f"num_batches and batch_size must be >= 1, got {num_batches}, {batch_size}"
             )
-        tokens = self._check_split("eval", seq_len)
-        num_windows = num_batches * batch_size
-        last_start = tokens.numel() - seq_len - 1
-        starts = torch.arange(num_windows) * last_start // max(num_windows - 1, 1)
+        rows = self._rows("eval", seq_len)
+        num_picks = num_batches * batch_size
+        picks = torch.arange(num_picks) * (rows.shape[0] - 1) // max(num_picks - 1, 1)
         return [
-            self._windows(tokens, starts[i * batch_size : (i + 1) * batch_size], seq_len)
+            self._split_rows(rows[picks[i * batch_size : (i + 1) * batch_size]])
             for i in range(num_batches)
         ]
+
+
+def shard_of(peer_id: str, num_shards: int) -> int:
+    """The train shard a head node without an explicit ``data.shard`` takes: a pure function
+    of its peer id (keep the id across restarts with ``--state-dir``), so a node's shard never
+    depends on which other nodes are up."""
+    return int(peer_id[:8], 16) % num_shards
+
+
+def open_dataset(data: DataConfig, *, shard: int, seed: int, vocab_size: int) -> TextDataset:
+    """The head node's dataset for ``data`` (the embedded corpus when ``data.path`` is None),
+    checked before training: readable, non-empty, each split holding a sequence, and every
+    token id below the model's ``vocab_size``. Raises ``ValueError`` with the reason."""
+    tokenizer = load_tokenizer(data.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+            f"{vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    if data.path:
+        docs = load_documents(
+            data.path,
+            data.text_field,
+            hf_split=data.hf_split,
+            streaming=data.streaming,
+            max_documents=data.max_documents,
+        )
+    else:
+        docs = embedded_corpus()
+    return TextDataset(
+        docs,
+        tokenizer,
+        eval_fraction=data.eval_fraction,
+        shard=shard,
+        num_shards=data.num_shards,
+        seed=seed,
+        seq_len=data.seq_len,
+    )

@@ -105,9 +105,9 @@ def test_load_txt_jsonl_dir_glob(tmp_path: Path) -> None:
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not found"):
         load_documents(str(tmp_path / "missing.txt"))
-    with pytest.raises(ValueError, match="no .txt or .jsonl files match"):
+    with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet files match"):
         load_documents(str(tmp_path / "*.txt"))
-    with pytest.raises(ValueError, match="no .txt or .jsonl files under"):
+    with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet files under"):
         load_documents(str(tmp_path))
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xff\xfe")
@@ -186,9 +186,14 @@ def test_eval_batches_deterministic() -> None:
         assert ids_a.shape == (4, 16) and ids_a.dtype == torch.int64
         assert torch.equal(ids_a, ids_b) and torch.equal(lab_a, lab_b)
         assert torch.equal(ids_a[:, 1:], lab_a[:, :-1])
-    # The windows span the whole eval split: first at its start, last at its end.
+    # The packed sequences span the eval split: the first at its start, the last ending
+    # within one sequence of its end.
     assert torch.equal(batches_a[0][0][0], a.eval_tokens[:16].long())
-    assert torch.equal(batches_a[-1][1][-1], a.eval_tokens[-16:].long())
+    num_rows = (a.num_eval_tokens - 1) // 16
+    assert torch.equal(
+        batches_a[-1][1][-1], a.eval_tokens[num_rows * 16 - 15 : num_rows * 16 + 1].long()
+    )
+    assert a.num_eval_tokens - (num_rows * 16 + 1) < 16
 
 
 def test_too_small_split() -> None:
