@@ -341,9 +341,22 @@ def _recovery_families(rec: dict[str, Any]) -> Iterator[Metric]:
     yield done
     yield _summary(
         "murmur_recovery_duration_seconds",
-        "Time taken by recoveries.",
+        "Seconds from a stage being seen empty to this node serving it again, per recovery.",
         rec.get("seconds_count", 0),
         rec.get("seconds_sum", 0.0),
+    )
+    sources = GaugeMetricFamily(
+        "murmur_recovery_source_weight",
+        "The last rebuild's source stages and their weights in the average (CheckFree).",
+        labels=["source_stage"],
+    )
+    for src in (rec.get("last") or {}).get("sources", []):
+        sources.add_metric([str(src["stage"])], float(src["weight"]))
+    yield sources
+    yield GaugeMetricFamily(
+        "murmur_stages_empty",
+        "Stages this node currently sees with no live replica.",
+        value=len(rec.get("empty_stages", [])),
     )
 
 

@@ -187,18 +187,22 @@ class RecoveryService:
         plan = plan_recovery(
             stage, node.config.swarm.num_block_stages, self.live(), self.config.method
         )
-        if plan.kind in ("copy", "seed"):
-            return plan  # the daemon copies a live replica itself; seed: nothing to rebuild
-        if plan.kind == "random":
+        if plan.kind == "copy":
+            return plan  # the daemon copies a live replica itself
+        if plan.kind == "seed":
+            pass  # nothing to rebuild from: the swarm's initial weights stay
+        elif plan.kind == "random":
             seed = random_seed(node.rng)
             await runner.run(runner.reinitialise, seed, self.config.lr_scale)
         elif plan.kind == "checkpoint":
             saved = await runner.run(load_checkpoint, self.checkpoint_dir, stage)
             if saved is None:
-                return RecoveryPlan(stage, "seed")
+                plan = RecoveryPlan(stage, "seed")  # no save yet: the swarm's initial weights
+                saved = ({}, 0, 0)
             tensors, step, samples = saved
-            await runner.run(runner.load, tensors, step, samples)
-            await self._broadcast_rollback(stage, step)
+            if tensors:
+                await runner.run(runner.load, tensors, step, samples)
+                await self._broadcast_rollback(stage, step)
         elif plan.kind == "head_copy":
             holder = max(
                 (r for rs in self.live().values() for r in rs if r.head_backup_step > 0),

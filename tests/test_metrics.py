@@ -86,6 +86,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_replica_spread_rms": ("gauge", set()),
     "murmur_recoveries": ("counter", {"kind"}),
     "murmur_recovery_duration_seconds": ("summary", set()),
+    "murmur_recovery_source_weight": ("gauge", {"source_stage"}),
+    "murmur_stages_empty": ("gauge", set()),
     "murmur_wire_bytes": ("counter", {"direction", "kind"}),
     "murmur_requests": ("counter", {"kind", "outcome"}),
     "murmur_request_duration_seconds": ("histogram", {"kind"}),
@@ -162,7 +164,17 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "last_partner": PEER_IDS[0],
             "in_progress": False,
         },
-        "recovery": {"recoveries": {"checkfree": 1}, "seconds_sum": 4.0, "seconds_count": 1},
+        "recovery": {
+            "recoveries": {"checkfree": 1},
+            "seconds_sum": 4.0,
+            "seconds_count": 1,
+            "last": {
+                "stage": 2,
+                "kind": "checkfree",
+                "sources": [{"stage": 1, "weight": 0.25}, {"stage": 3, "weight": 0.75}],
+            },
+            "empty_stages": [],
+        },
     }
     st.update(changes)
     return st
@@ -261,6 +273,8 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_replica_spread_rms") == 0.0125
     assert one("murmur_recoveries_total", kind="checkfree") == 1
     assert one("murmur_recovery_duration_seconds_sum") == 4.0
+    assert one("murmur_recovery_source_weight", source_stage="3") == 0.75
+    assert one("murmur_stages_empty") == 0
     assert one("murmur_wire_bytes_total", direction="sent", kind="forward") == 5000
     assert one("murmur_requests_total", kind="hello", outcome="timeout") == 1
 
