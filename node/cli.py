@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=["noloco", "diloco", "allreduce", "none"],
         help="how replicas of a stage stay together (default noloco)",
     )
+    j.add_argument(
+        "--recovery",
+        choices=["checkfree", "checkfree+", "checkpoint", "random"],
+        help="how a stage whose replicas are all gone is rebuilt (default checkfree)",
+    )
     j.add_argument("--device", help="torch device for this stage (cpu, cuda, cuda:1)")
     j.add_argument(
         "--data",
@@ -177,6 +182,7 @@ def join_config(args: argparse.Namespace) -> Config:
         "swarm.name": args.swarm,
         "node.device": args.device,
         "sync.method": args.sync,
+        "recovery.method": args.recovery,
         "data.path": args.data,
         "node.state_dir": args.state_dir,
         "node.init_dir": args.init,

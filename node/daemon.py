@@ -140,6 +140,7 @@ class Node:
             grad_norm=r.thermo.grad_norm if r else 0.0,
             loss=self.trainer.last_loss if self.trainer else None,
             head_backup_step=self.recovery.head_backup_step,
+            data_shard=self.trainer.shard if self.trainer else -1,
         )
 
     def status(self) -> dict[str, Any]:

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.data import TextDataset, open_dataset
+from node.data import TextDataset, open_dataset, shard_of
 from protocol.messages import Backward, Forward, Hop
 from protocol.quant import encode_tensor
+from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class HeadTrainer:
         self.config = node.config
         self.train = node.config.train
         self.dataset: TextDataset | None = None
+        self.shard = -1
         self.gen = torch.Generator().manual_seed(int(node.peer_id[:8], 16))
         self.pending: dict[str, Pending] = {}
         self._seq = 0
@@ -107,7 +109,12 @@ class HeadTrainer:
     async def prepare(self) -> None:
         """Load this node's data shard and the shared eval split (on the compute thread)."""
         data = self.config.data
-        shard = data.shard if data.shard >= 0 else int(self.node.peer_id[:8], 16) % data.num_shards
+        taken = [
+            p.data_shard for p in self.node.table.replicas(0, ready_only=False) if p.data_shard >= 0
+        ]
+        preferred = shard_of(self.node.peer_id, data.num_shards)
+        shard = data.shard if data.shard >= 0 else choose_shard(data.num_shards, taken, preferred)
+        self.shard = shard
 
         def load() -> TextDataset:
             seed, vocab_size = self.config.swarm.seed, self.config.model.vocab_size
@@ -348,4 +355,5 @@ class HeadTrainer:
             "train_s": round(now - self.started_s, 1) if self.started_s else 0.0,
             "in_flight": self._num_training(),
             "pipeline_complete": self.pipeline_complete(),
+            "data_shard": self.shard,
         }

@@ -56,6 +56,8 @@ class PeerRecord:
     """Latest training loss, head-stage peers only."""
     head_backup_step: int = 0
     """Step of the head stage's weights this peer keeps a copy of (CheckFree+), 0 for none."""
+    data_shard: int = -1
+    """The train shard a head-stage peer reads (-1: not a head, or not chosen yet)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ section 3) build on the same signature later.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 
 def choose_stage(replicas: Mapping[int, int], rng: random.Random) -> int:
@@ -19,3 +19,17 @@ def choose_stage(replicas: Mapping[int, int], rng: random.Random) -> int:
     fewest = min(replicas.values())
     candidates = sorted(stage for stage, n in replicas.items() if n == fewest)
     return rng.choice(candidates)
+
+
+def choose_shard(num_shards: int, taken: Iterable[int], preferred: int) -> int:
+    """A head node's data shard: its preferred one (a hash of its id) unless another live
+    head reads it, else the lowest free one; shards stay disjoint while there are no more
+    head nodes than shards, and a node keeps its shard for life (stable as others come and
+    go). With every shard taken it shares its preferred one."""
+    if not 0 <= preferred < num_shards:
+        raise ValueError(f"preferred shard {preferred} is not in [0, {num_shards})")
+    used = set(taken)
+    if preferred not in used:
+        return preferred
+    free = [s for s in range(num_shards) if s not in used]
+    return free[0] if free else preferred

@@ -26,3 +26,15 @@ def test_ties_spread_joiners() -> None:
 def test_no_stages_is_an_error() -> None:
     with pytest.raises(ValueError):
         choose_stage({}, random.Random(0))
+
+
+def test_choose_shard_keeps_heads_disjoint_and_stable() -> None:
+    from swarm.assignment import choose_shard
+
+    assert choose_shard(4, [], preferred=2) == 2
+    assert choose_shard(4, [2], preferred=2) == 0  # taken: the lowest free one
+    assert choose_shard(4, [0, 2], preferred=2) == 1
+    assert choose_shard(4, [1, 3], preferred=2) == 2  # others' shards do not move it
+    assert choose_shard(2, [0, 1], preferred=1) == 1  # more heads than shards: share
+    with pytest.raises(ValueError):
+        choose_shard(4, [], preferred=4)

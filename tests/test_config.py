@@ -72,6 +72,8 @@ def test_cli_flags_map_to_settings() -> None:
             "--swarm",
             "x",
             "--no-zeroconf",
+            "--recovery",
+            "random",
             "--set",
             "train.lr=0.5",
         ]
@@ -83,7 +85,7 @@ def test_cli_flags_map_to_settings() -> None:
         ("h:1", "h:2"),
         "x",
     )
-    assert c.net.zeroconf is False and c.train.lr == 0.5
+    assert c.net.zeroconf is False and c.train.lr == 0.5 and c.recovery.method == "random"
 
 
 def test_every_field_is_documented() -> None:

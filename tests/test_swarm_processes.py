@@ -223,13 +223,21 @@ def test_stage_auto_fills_empty_stages_and_data_flag_is_used(swarm: Any, tmp_pat
     ]
     corpus.write_text("\n".join(lines) + "\n")
     s = swarm()
-    head = s.start_node(0, extra=["--data", str(corpus)])
+    ids = {"h1": "0000000000000001", "h2": "0000000200000002"}  # both prefer shard 0 of 2
+    for name, peer_id in ids.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "peer_id").write_text(peer_id + "\n")
+    head_args = ["--data", str(corpus), "--set", "data.num_shards=2"]
+    head = s.start_node(0, extra=[*head_args, "--state-dir", str(tmp_path / "h1")])
     wait_ready(head, 90, s)
     stages = []
     for _ in range(3):
         address = s.start_node("auto")
         stages.append(wait_ready(address, 90, s)["stage"])
     assert sorted(stages) == [1, 2, 3]  # each joiner took an empty stage
+    second_head = s.start_node(0, extra=[*head_args, "--state-dir", str(tmp_path / "h2")])
+    shards = [fetch_status(head)["data_shard"], wait_ready(second_head, 90, s)["data_shard"]]
+    assert shards == [0, 1]  # the second head found shard 0 taken and took the free one
     wait_for(
         lambda: counters(head).get("microbatches_completed", 0) >= 20, 90, "training on --data"
     )
