@@ -17,7 +17,6 @@ import argparse
 import json
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ import torch
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, request_eval, wait_ready
-from protocol.frames import join_frame
-from protocol.messages import FetchState, StageState, decode_message, encode_message
+from node.export import fetch_stage_state
 from swarm.outer import rms_distance
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,11 +45,7 @@ COMMON = {
 
 
 def live_weights(address: str, stage: int) -> torch.Tensor:
-    body = join_frame(encode_message(FetchState(stage=stage)))
-    req = urllib.request.Request(f"http://{address}/rpc", data=body, method="POST")
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        state = decode_message(resp.read())
-    assert isinstance(state, StageState)
+    state = fetch_stage_state(address, stage)
     params = [
         v.float().flatten() for k, v in sorted(state.tensors.items()) if k.startswith("param.")
     ]

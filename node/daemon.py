@@ -370,6 +370,7 @@ class Node:
                 await self.runner.run(self.runner.load, state.tensors, state.step, state.samples)
             except (TransportError, ValueError) as e:
                 log.warning("state fetch from %s failed: %s", peer.peer_id[:8], e)
+                self.router.finished(peer.peer_id, False, self.clock.now())  # likely dead: ban
                 continue
             log.info(
                 "copied stage %d state (step %d) from %s", self.stage, state.step, peer.peer_id[:8]

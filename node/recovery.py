@@ -140,9 +140,16 @@ class RecoveryService:
         )
 
     def live(self) -> dict[int, list[PeerRecord]]:
-        """Ready replicas per stage, this node included when it serves."""
+        """Ready replicas per stage, this node included when it serves; peers that just
+        failed to answer (banned by the router) do not count: they are probably dead but
+        not yet expired from the table."""
         node = self.node
-        live = {s: list(node.table.replicas(s)) for s in range(node.num_stages)}
+        now = node.clock.now()
+        banned = {pid for pid, st in node.router.stats.items() if st.banned_until > now}
+        live = {
+            s: [r for r in node.table.replicas(s) if r.peer_id not in banned]
+            for s in range(node.num_stages)
+        }
         if node.ready and not node.leaving and node.stage >= 0:
             live[node.stage].append(node.record())
         return live

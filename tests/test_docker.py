@@ -18,13 +18,14 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from node.demo import free_port
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
@@ -133,20 +134,6 @@ def query(port: int, promql: str) -> list[dict[str, Any]]:
     assert body["status"] == "success", body
     result: list[dict[str, Any]] = body["data"]["result"]
     return result
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except (OSError, ValueError, KeyError) as e:
-            last = e
-        time.sleep(2.0)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture

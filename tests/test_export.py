@@ -34,6 +34,7 @@ from node.export import (
 )
 from node.model import BlockStage, HeadStage, build_stage, compose_stages, model_fingerprint
 from protocol.messages import StageState
+from tests.helpers import wait_for
 
 N = 3
 
@@ -225,15 +226,6 @@ def _bf16_wire_loss(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return sum(losses) / len(losses)
 
 
-def _wait(pred: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_swarm_export_generate_and_init(tmp_path: Path) -> None:
@@ -259,7 +251,7 @@ def test_swarm_export_generate_and_init(tmp_path: Path) -> None:
             steps = [st["step"]] + [p["step"] for s in ("1", "2", "3") for p in st["peers"][s]]
             return len(steps) == N + 1 and min(steps) >= TRAIN_STEPS + 2
 
-        _wait(all_done, 240, f"every stage past step {TRAIN_STEPS}")
+        wait_for(all_done, 240, f"every stage past step {TRAIN_STEPS}")
         train_s = time.monotonic() - t0
         swarm_loss = request_eval(head)
 
@@ -295,7 +287,7 @@ def test_swarm_export_generate_and_init(tmp_path: Path) -> None:
             second.start_node(stage, extra=["--init", str(out)])
         for a in second.addresses:
             wait_ready(a, 90, second)
-        _wait(lambda: fetch_status(new_head)["evals"], 120, "the new swarm's first evaluation")
+        wait_for(lambda: fetch_status(new_head)["evals"], 120, "the new swarm's first evaluation")
         first_eval = fetch_status(new_head)["evals"][0]["loss"]
         init_s = time.monotonic() - t1
 

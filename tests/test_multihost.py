@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import secrets
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from tests.helpers import wait_for
 from tests.netns import Lab, netns_lab  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(300)]
@@ -33,18 +33,6 @@ def get_json(lab_host: Any, path: str, method: str = "GET") -> dict[str, Any]:
     )
     out: dict[str, Any] = json.loads(lab_host.run([sys.executable, "-c", code], timeout=150))
     return out
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return
-        except Exception:  # noqa: BLE001 - a node still starting answers nothing yet
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_three_hosts_discover_each_other_by_zeroconf_and_train(

@@ -13,10 +13,9 @@ import json
 import math
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 import yaml
 
 from node.demo import LocalSwarm, free_port, wait_ready
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -114,20 +114,6 @@ def series(port: int, promql: str) -> dict[str, float]:
         key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         out[key] = float(r["value"][1])
     return out
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except OSError as e:  # Prometheus still starting
-            last = e
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
 
 
 def test_prometheus_scrapes_a_training_swarm(nodes: Any, prometheus: int) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, request_eval, wait_ready
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -23,15 +23,6 @@ BASE = {
     "recovery.refill_wait_s": "3",
     "sync.method": "none",
 }
-
-
-def wait_for(pred: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def kill_stage(s: LocalSwarm, addresses: list[str]) -> None:
@@ -163,6 +154,7 @@ def test_lost_head_stage_is_restored_from_stage_one_backups_under_checkfree_plus
         )
         before = request_eval(head)
         kill_stage(s, [head])
+        time.sleep(float(BASE["membership.ttl_s"]) + 1.5)  # the dead head expires from the tables
         s.addresses.remove(head)  # new nodes bootstrap from a survivor
         s.addresses.insert(0, addresses[1])
         new_head = s.start_node("auto")

@@ -24,6 +24,7 @@ from node.demo import LocalSwarm, request_eval, wait_ready
 from protocol.frames import encode_frame, join_frame
 from protocol.messages import Error, Forward, Hop, decode_message, encode_message
 from protocol.quant import encode_tensor
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,15 +55,6 @@ def swarm(tmp_path: Path) -> Iterator[Any]:
 def counters(address: str) -> dict[str, int]:
     c: dict[str, int] = fetch_status(address)["counters"]
     return c
-
-
-def wait_for(pred: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def post_frame(address: str, body: bytes) -> tuple[int, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +11,9 @@ import torch
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, wait_ready
-from protocol.frames import join_frame
-from protocol.messages import FetchState, StageState, decode_message, encode_message
+from node.export import fetch_stage_state
 from swarm.outer import rms_distance
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -34,28 +33,13 @@ BASE = {
 
 
 def slow_weights(address: str) -> torch.Tensor:
-    import urllib.request
-
-    body = join_frame(encode_message(FetchState(stage=fetch_status(address)["stage"])))
-    req = urllib.request.Request(f"http://{address}/rpc", data=body, method="POST")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        state = decode_message(resp.read())
-    assert isinstance(state, StageState)
+    state = fetch_stage_state(address, fetch_status(address)["stage"])
     return state.tensors["outer.phi"].clone()
 
 
 def sync_of(address: str) -> dict[str, Any]:
     out: dict[str, Any] = fetch_status(address)["sync"]
     return out
-
-
-def wait_for(pred: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
