@@ -1,9 +1,9 @@
 """Stage assignment for ``--stage auto``: which stage a joining node should serve.
 
-This version follows the simple rule of the foundation issue: an empty stage first, else the
-stage with the fewest live replicas, ties broken at random (so nodes that join together
-spread out). Throughput-weighted joining and rebalancing (Petals' rule, ALGORITHMS.md
-section 3) build on the same signature later.
+``choose_stage`` is the simple rule (``balance.policy = "replicas"``, the benchmark's
+baseline): an empty stage first, else the stage with the fewest live replicas, ties broken at
+random (so nodes that join together spread out). The default throughput rule and
+rebalancing (Petals, ALGORITHMS.md section 3) live in ``swarm.balance``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+"""Throughput balancing: which stage a joining node takes, and when a serving node moves.
+
+The policy follows Petals' block selection (Borzunov et al., "Petals: Collaborative
+Inference and Fine-tuning of Large Models", arXiv 2209.01188, and "Distributed Inference and
+Fine-tuning of Large Language Models Over The Internet", arXiv 2312.08361; ALGORITHMS.md
+section 3), which SWARM (arXiv 2301.11913) describes but never shipped:
+
+- a stage's throughput is the sum of its replicas' service rates (samples per second of
+  compute); the pipeline runs at the pace of its weakest block stage;
+- a joining node takes an empty stage if there is one, else the block stage with the lowest
+  total throughput;
+- a serving node simulates leaving its stage for the weakest one and moves only if the
+  bottleneck rises by a clear margin: ``current_min / new_min < quality`` (Petals: 0.75),
+  never emptying its own stage.
+
+Two guards keep the swarm calm. Every node evaluates the same rule for every movable replica
+in its table and only the single best move (highest new bottleneck, ties to the lowest peer
+id) may happen, so many peers never jump at the same gap together (the herd); and the caller
+adds a cool-down after each move, so a peer does not flip back and forth.
+
+A replica's rate is taken to be the same on every block stage (block stages hold equal
+numbers of identical blocks). Pure functions over plain records; the daemon's
+``node.balance`` measures, publishes and moves.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+EPS = 1e-3
+"""Slack on the quality test so that an exact tie never triggers a move (Petals uses 1e-3)."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One live replica as the balancer sees it."""
+
+    peer_id: str
+    stage: int
+    rate: float
+    """Service rate in samples per second; 0 when not measured yet."""
+    movable: bool = True
+    """False for nodes pinned to their stage (``--stage N``) and for head nodes."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """The one move the swarm should make now."""
+
+    peer_id: str
+    source: int
+    target: int
+    current_min: float
+    new_min: float
+
+    @property
+    def quality(self) -> float:
+        """``current_min / new_min``: below the threshold means a clear gain."""
+        return self.current_min / self.new_min if self.new_min > 0 else 1.0
+
+
+def fill_unknown(replicas: Sequence[Replica], default: float) -> list[Replica]:
+    """Replicas whose rate is not measured yet (0) get the median of the measured ones, or
+    ``default`` when nothing is measured: a peer that just joined counts as a typical one."""
+    known = [r.rate for r in replicas if r.rate > 0]
+    guess = statistics.median(known) if known else default
+    return [r if r.rate > 0 else Replica(r.peer_id, r.stage, guess, r.movable) for r in replicas]
+
+
+def stage_totals(replicas: Iterable[Replica], stages: Iterable[int]) -> dict[int, float]:
+    """Total service rate per stage (every stage in ``stages`` is a key)."""
+    totals = dict.fromkeys(stages, 0.0)
+    for r in replicas:
+        if r.stage in totals:
+            totals[r.stage] += r.rate
+    return totals
+
+
+def join_stage(
+    replicas: Sequence[Replica], num_stages: int, rng: random.Random, own_rate: float = 1.0
+) -> int:
+    """The stage a joining node takes: an empty stage (the head included) chosen at random,
+    else the block stage with the lowest total throughput (ties at random)."""
+    if num_stages < 2:
+        raise ValueError("a swarm needs a head stage and at least one block stage")
+    counts = dict.fromkeys(range(num_stages), 0)
+    for r in replicas:
+        if r.stage in counts:
+            counts[r.stage] += 1
+    empty = [s for s, n in counts.items() if n == 0]
+    if empty:
+        return rng.choice(empty)
+    blocks = [r for r in replicas if r.stage > 0]  # head rates measure different work
+    totals = stage_totals(fill_unknown(blocks, own_rate), range(1, num_stages))
+    low = min(totals.values())
+    return rng.choice([s for s, t in totals.items() if t <= low * (1 + EPS)])
+
+
+def plan_move(replicas: Sequence[Replica], num_stages: int, quality: float = 0.75) -> Move | None:
+    """The single best move between block stages, or None when no move clears the margin.
+
+    Candidates are movable replicas of block stages with at least two replicas (a move never
+    empties a stage); each is simulated leaving for the weakest block stage. With an empty
+    block stage there is no plan: refilling it is the recovery service's job.
+    """
+    blocks = range(1, num_stages)
+    block_replicas = [r for r in replicas if r.stage in blocks]
+    counts = {s: sum(r.stage == s for r in block_replicas) for s in blocks}
+    if not block_replicas or min(counts.values()) == 0:
+        return None
+    filled = fill_unknown(block_replicas, 1.0)
+    totals = stage_totals(filled, blocks)
+    current_min = min(totals.values())
+    target = min(blocks, key=lambda s: (totals[s], s))
+    best: Move | None = None
+    for r in filled:
+        if not r.movable or r.stage == target or counts[r.stage] < 2:
+            continue
+        after = dict(totals)
+        after[r.stage] -= r.rate
+        after[target] += r.rate
+        move = Move(r.peer_id, r.stage, target, current_min, min(after.values()))
+        if best is None or (move.new_min, best.peer_id) > (best.new_min, move.peer_id):
+            best = move
+    if best is None or best.quality >= quality - EPS:
+        return None
+    return best

@@ -1,0 +1,173 @@
+"""Throughput balancing policy (swarm.balance) on hand-made throughput tables."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from swarm.balance import Move, Replica, fill_unknown, join_stage, plan_move, stage_totals
+
+
+def swarm(*stages: list[float], head: float = 100.0) -> list[Replica]:
+    """Replicas of block stages 1..N with the given rates (ids s<stage>r<i>), plus one head."""
+    out = [Replica("head", 0, head, movable=False)]
+    for s, rates in enumerate(stages, start=1):
+        out += [Replica(f"s{s}r{i}", s, rate) for i, rate in enumerate(rates)]
+    return out
+
+
+def apply(replicas: list[Replica], move: Move) -> list[Replica]:
+    return [
+        Replica(r.peer_id, move.target, r.rate, r.movable) if r.peer_id == move.peer_id else r
+        for r in replicas
+    ]
+
+
+# ---- joining --------------------------------------------------------------------------------
+
+
+def test_join_takes_an_empty_stage_first_even_if_others_are_slow() -> None:
+    reps = swarm([1.0], [], [1.0])
+    assert join_stage(reps, 4, random.Random(0)) == 2
+
+
+def test_join_fills_an_empty_head_stage() -> None:
+    reps = [r for r in swarm([5.0], [5.0]) if r.stage != 0]
+    assert join_stage(reps, 3, random.Random(0)) == 0
+
+
+def test_join_picks_the_lowest_total_not_the_fewest_replicas() -> None:
+    # stage 1: two slow replicas (2 + 2 = 4/s); stage 2: one fast replica (10/s)
+    reps = swarm([2.0, 2.0], [10.0])
+    assert join_stage(reps, 3, random.Random(0)) == 1
+
+
+def test_join_never_picks_the_head_stage_when_it_has_a_replica() -> None:
+    reps = swarm([10.0], [10.0], head=0.5)
+    for seed in range(20):
+        assert join_stage(reps, 3, random.Random(seed)) in (1, 2)
+
+
+def test_join_ties_are_broken_at_random() -> None:
+    reps = swarm([3.0], [3.0], [3.0])
+    picks = Counter(join_stage(reps, 4, random.Random(seed)) for seed in range(60))
+    assert set(picks) == {1, 2, 3}
+
+
+def test_a_joining_peer_without_a_rate_counts_as_a_typical_one() -> None:
+    # stage 2's second replica has not measured anything: it counts as the median (4/s),
+    # so stage 2 (4 + 4) is stronger than stage 1 (4 + 3)
+    reps = swarm([4.0, 3.0], [4.0, 0.0])
+    assert join_stage(reps, 3, random.Random(0)) == 1
+    assert [r.rate for r in fill_unknown(reps[1:], 1.0)] == [4.0, 3.0, 4.0, 4.0]
+    assert [r.rate for r in fill_unknown([Replica("a", 1, 0.0)], 7.0)] == [7.0]
+
+
+def test_stage_totals_sum_rates_per_stage() -> None:
+    assert stage_totals(swarm([1.0, 2.0], [4.0]), range(1, 3)) == {1: 3.0, 2: 4.0}
+
+
+# ---- rebalancing ----------------------------------------------------------------------------
+
+
+def test_a_clear_gain_moves_the_best_candidate_to_the_weakest_stage() -> None:
+    # totals 20 / 2 / 20: moving a 10/s replica from 1 to 2 gives 10 / 12 / 20
+    # current_min / new_min = 2 / 10 = 0.2 < 0.75; ties (s1r0, s1r1, s3r0, s3r1) -> lowest id
+    move = plan_move(swarm([10.0, 10.0], [2.0], [10.0, 10.0]), 4)
+    assert move == Move("s1r0", 1, 2, 2.0, 10.0)
+    assert move.quality == pytest.approx(0.2)
+
+
+def test_the_candidate_whose_move_raises_the_bottleneck_most_is_chosen() -> None:
+    # totals 10 / 3 / 14, weakest stage 2. Moving s1r0 (4/s) -> 6 / 7 / 14: new min 6;
+    # s1r1 (6/s) -> 4 / 9 / 14: 4; s3r0 (7/s) -> 10 / 10 / 7: 7, the best; s3r1 ties, higher id
+    move = plan_move(swarm([4.0, 6.0], [3.0], [7.0, 7.0]), 4)
+    assert move is not None
+    assert (move.peer_id, move.source, move.target) == ("s3r0", 3, 2)
+    assert move.new_min == 7.0
+
+
+def test_no_move_below_petals_margin() -> None:
+    # totals 8 / 7: moving a 4/s replica gives 4 / 11; 7 / 4 > 1: worse, no move
+    assert plan_move(swarm([4.0, 4.0], [7.0]), 3) is None
+    # totals 10 / 8 / 10 with 5/s replicas: best new min is 10 / 13 / 5 -> 5; no gain
+    assert plan_move(swarm([5.0, 5.0], [8.0], [5.0, 5.0]), 4) is None
+
+
+def test_the_margin_is_configurable_and_strict() -> None:
+    # totals 12 / 6 / 12 (6/s replicas): moving one gives 6 / 12 / 12 -> min 6: quality 1.0
+    reps = swarm([6.0, 6.0], [6.0], [6.0, 6.0])
+    assert plan_move(reps, 4, quality=1.0) is None  # an equal bottleneck never moves anyone
+    # totals 12 / 7, replicas 4/s: moving gives 8 / 11 -> min 8; quality 7 / 8 = 0.875
+    reps = swarm([4.0, 4.0, 4.0], [7.0])
+    assert plan_move(reps, 3) is None
+    move = plan_move(reps, 3, quality=0.9)
+    assert move is not None and move.quality == pytest.approx(0.875)
+
+
+def test_no_flip_flop_after_a_move() -> None:
+    reps = swarm([10.0, 10.0, 10.0], [2.0, 2.0])
+    first = plan_move(reps, 3)
+    assert first is not None and (first.source, first.target) == (1, 2)
+    after = apply(reps, first)  # totals 20 / 14
+    assert plan_move(after, 3) is None
+
+
+def test_a_move_never_empties_a_stage() -> None:
+    # stage 1's only replica is very fast and stage 2 is very slow: still no move
+    assert plan_move(swarm([100.0], [1.0, 1.0]), 3) is None
+
+
+def test_an_empty_block_stage_is_left_to_recovery() -> None:
+    assert plan_move(swarm([5.0, 5.0, 5.0], []), 3) is None
+
+
+def test_pinned_and_head_replicas_are_never_candidates() -> None:
+    reps = [
+        Replica("head", 0, 50.0, movable=False),
+        Replica("a", 1, 10.0, movable=False),
+        Replica("b", 1, 10.0, movable=False),
+        Replica("c", 2, 1.0),
+    ]
+    assert plan_move(reps, 3) is None
+    reps.append(Replica("d", 1, 10.0))
+    move = plan_move(reps, 3)
+    assert move is not None and move.peer_id == "d"
+
+
+def test_herd_only_one_of_many_equal_candidates_is_named() -> None:
+    # six identical fast replicas on stages 1 and 3 could all fill stage 2's gap; every node
+    # computes the same plan, and it names exactly one of them
+    reps = swarm([9.0, 9.0, 9.0], [1.0], [9.0, 9.0, 9.0])
+    plans = {plan_move(list(reversed(reps)), 4), plan_move(reps, 4)}
+    assert len(plans) == 1
+    (move,) = plans
+    assert move is not None and move.peer_id == "s1r0"
+    # after it (totals 18 / 10 / 27) the next plan is again a single move, from the now
+    # strongest stage 3 (18 / 19 / 18)
+    second = plan_move(apply(reps, move), 4)
+    assert second == Move("s3r0", 3, 2, 10.0, 18.0)
+
+
+def test_sequential_moves_converge_on_a_slowed_stage() -> None:
+    # the demo case of the issue: stage 2's nodes are 4x slower; nodes move until stable
+    fast, slow = 4.0, 1.0
+    reps = swarm([fast, fast], [slow, slow], [fast, fast])
+    for _ in range(10):
+        move = plan_move(reps, 4)
+        if move is None:
+            break
+        # a node moving onto the slowed stage runs at that stage's speed
+        reps = [
+            Replica(r.peer_id, move.target, slow if move.target == 2 else fast, r.movable)
+            if r.peer_id == move.peer_id
+            else r
+            for r in reps
+        ]
+    else:
+        pytest.fail("rebalancing did not settle")
+    counts = Counter(r.stage for r in reps if r.stage > 0)
+    assert counts[2] > counts[1] and counts[2] > counts[3]
+    assert min(counts.values()) >= 1

@@ -1,0 +1,105 @@
+"""``--stage auto`` with real processes: nodes spread out, crowd a slow stage, refill a lost one."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from node.cli import fetch_status
+from node.demo import LocalSwarm, wait_ready
+from tests.helpers import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+BASE = {
+    "node.join_wait_s": "1.0",
+    "train.eval_interval_s": "0",
+    "train.hop_timeout_s": "3",
+    "train.microbatch_deadline_s": "8",
+    "membership.ttl_s": "3",
+    "recovery.refill_wait_s": "3",
+    "sync.method": "none",
+    "balance.interval_s": "2",
+    "balance.cooldown_s": "8",
+    "balance.warmup_s": "8",
+    "balance.benchmark_s": "0.3",
+}
+
+
+def stages(addresses: list[str]) -> Counter[int]:
+    """Block stages served by these nodes (each asked directly), ready ones only."""
+    out: Counter[int] = Counter()
+    for a in addresses:
+        st = fetch_status(a, timeout_s=3)
+        if st["ready"]:
+            out[st["stage"]] += 1
+    return out
+
+
+def start(tmp_path: Path, settings: dict[str, str]) -> tuple[LocalSwarm, str, list[str]]:
+    s = LocalSwarm(tmp_path, {**BASE, **settings})
+    head = s.start_node(0)
+    wait_ready(head, 90, s)
+    autos = [s.start_node("auto") for _ in range(6)]
+    for a in autos:
+        wait_ready(a, 90, s)
+    return s, head, autos
+
+
+def test_six_auto_nodes_spread_evenly_and_refill_a_killed_stage(tmp_path: Path) -> None:
+    s, head, autos = start(tmp_path, {})
+    try:
+        even = Counter({1: 2, 2: 2, 3: 2})
+        wait_for(lambda: stages(autos) == even, 90, "two replicas on each block stage")
+        st = fetch_status(autos[0])
+        assert st["balance"]["policy"] == "throughput" and st["balance"]["own_block_rate"] > 0
+        # block replicas publish a rate from the start (their benchmark), before any work
+        assert all(p["throughput"] > 0 for k, ps in st["peers"].items() if int(k) > 0 for p in ps)
+        wait_for(lambda: fetch_status(head)["step"] >= 20, 120, "20 head steps")
+
+        # kill both replicas of stage 2: the swarm refills it and trains on
+        victims = [a for a in autos if fetch_status(a)["stage"] == 2]
+        assert len(victims) == 2
+        ports = {a.rsplit(":", 1)[1] for a in victims}
+        for entry in list(s.procs):
+            name, proc, log = entry
+            if name.rsplit("-", 1)[1] in ports:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                log.close()
+                s.procs.remove(entry)
+        survivors = [a for a in autos if a not in victims]
+        step = fetch_status(head)["step"]
+        wait_for(lambda: stages(survivors)[2] >= 1, 90, "stage 2 refilled")
+        wait_for(lambda: fetch_status(head)["step"] >= step + 20, 120, "20 steps after the refill")
+        assert not s.dead()
+    finally:
+        s.stop(grace_s=5)
+
+
+def test_a_slowed_stage_attracts_more_nodes(tmp_path: Path) -> None:
+    # every forward on stage 2 sleeps 0.5 s: its replicas serve a fraction of the others
+    settings = {
+        "train.compute_delay_s": "0.5",
+        "train.compute_delay_stages": "2",
+        "data.batch_size": "8",
+        "data.seq_len": "64",
+    }
+    s, head, autos = start(tmp_path, settings)
+    try:
+
+        def crowded() -> Counter[int] | None:
+            got = stages(autos)
+            ok = sum(got.values()) == 6 and got[2] > max(got[1], got[3]) and min(got.values()) > 0
+            return got if ok and len(got) == 3 else None
+
+        got = wait_for(crowded, 150, "stage 2 holding more replicas than stages 1 and 3")
+        moves = sum(fetch_status(a)["balance"]["moves"] for a in autos)
+        print(f"replicas per block stage {dict(got)} after {moves} rebalancing move(s)")
+        wait_for(lambda: fetch_status(head)["step"] >= 10, 120, "training goes on")
+        assert not s.dead()
+    finally:
+        s.stop(grace_s=5)
