@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from node.cli import fetch_status, parse_sets
+from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 
 DEMO_SETTINGS = {
     "node.join_wait_s": "1.0",
@@ -121,8 +122,13 @@ def wait_ready(address: str, timeout_s: float, swarm: LocalSwarm) -> dict[str, A
     raise TimeoutError(f"node {address} not ready after {timeout_s:.0f}s")
 
 
-def request_eval(address: str, timeout_s: float = 120.0) -> float:
-    req = urllib.request.Request(f"http://{address}/eval", method="POST", data=b"")
+def request_eval(address: str, timeout_s: float = 120.0, auth: SwarmAuth | None = None) -> float:
+    """Have a head node evaluate now (a keyed swarm's node wants a proof over the empty body)."""
+    headers: dict[str, str] = {}
+    if auth is not None:
+        sent = auth.sign_request(address, "POST", "/eval", frame_digest([]), time.time())
+        headers[AUTH_HEADER] = sent.header
+    req = urllib.request.Request(f"http://{address}/eval", method="POST", data=b"", headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return float(json.loads(resp.read())["eval_loss"])
 
@@ -136,6 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
     log_dir = Path(args.logs or tempfile.mkdtemp(prefix="murmuration-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     swarm = LocalSwarm(log_dir, settings, args.config)
+    auth = _demo_auth(args.config, settings)
     say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
     t_start = time.monotonic()
     port = args.port
@@ -153,7 +160,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for address in swarm.addresses:
             wait_ready(address, 120.0, swarm)
         say("all nodes ready; training")
-        summary = _train(head, swarm, args.budget_s, say)
+        summary = _train(head, swarm, args.budget_s, say, auth)
     except (RuntimeError, TimeoutError) as e:
         say(f"demo failed: {e}")
         for name in swarm.dead():
@@ -181,7 +188,17 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(head: str, swarm: LocalSwarm, budget_s: float, say: Any) -> dict[str, Any]:
+def _demo_auth(config: str | None, settings: dict[str, str]) -> SwarmAuth | None:
+    """The demo's own side of the swarm, when its settings give the nodes a swarm key."""
+    from node.config import resolve_config
+    from node.identity import swarm_auth
+
+    return swarm_auth(resolve_config(config, os.environ, settings).net, Identity.generate())
+
+
+def _train(
+    head: str, swarm: LocalSwarm, budget_s: float, say: Any, auth: SwarmAuth | None = None
+) -> dict[str, Any]:
     """Watch the head node until its training time reaches the budget; then evaluate."""
     last_print = 0.0
     st = fetch_status(head)
@@ -201,7 +218,7 @@ def _train(head: str, swarm: LocalSwarm, budget_s: float, say: Any) -> dict[str,
                 f"done {st['counters'].get('microbatches_completed', 0)} "
                 f"retried {st['counters'].get('microbatches_retried', 0)}"
             )
-    final = request_eval(head)
+    final = request_eval(head, auth=auth)
     st = fetch_status(head)
     evals = st["evals"]
     return {

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from node.model import (
     model_fingerprint,
     stage_blocks,
 )
+from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 from protocol.frames import join_frame
 from protocol.messages import (
     Error,
@@ -107,13 +109,25 @@ def _stage_shapes(cfg: ModelConfig, num_block_stages: int, stage: int) -> dict[s
 # Export
 
 
-def fetch_stage_state(address: str, stage: int, timeout_s: float = 60.0) -> StageState:
-    """One replica's state over ``POST /rpc``; ``ValueError`` if it refuses or is unreachable."""
-    body = join_frame(encode_message(FetchState(stage=stage)))
-    req = urllib.request.Request(f"http://{address}/rpc", data=body, method="POST")
+def fetch_stage_state(
+    address: str, stage: int, timeout_s: float = 60.0, auth: SwarmAuth | None = None
+) -> StageState:
+    """One replica's state over ``POST /rpc`` (with ``auth``: a sealed request, and a reply
+    that must be sealed by a swarm member); ``ValueError`` if it refuses or is unreachable."""
+    buffers = encode_message(FetchState(stage=stage))
+    digest = frame_digest(buffers)
+    sent = auth.sign_request(address, "POST", "/rpc", digest, time.time()) if auth else None
+    headers = {AUTH_HEADER: sent.header} if sent else {}
+    url = f"http://{address}/rpc"
+    req = urllib.request.Request(url, data=join_frame(buffers), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            reply = decode_message(resp.read())
+            raw = resp.read()
+            if sent is not None:
+                sent.open_reply(resp.status, resp.headers.get(AUTH_HEADER), frame_digest([raw]))
+            reply = decode_message(raw)
+            if sent is not None:
+                sent.check_reply(reply)
     except urllib.error.HTTPError as e:
         try:
             refusal = decode_message(e.read())
@@ -145,7 +159,10 @@ def collect_weights(
 ) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
     """Every stage's parameters under ``FullModel`` names, fetched from one live replica per
     stage (the one at the highest step that answers), and where each came from."""
+    from node.identity import swarm_auth
+
     cfg, num_block_stages = config.model, config.swarm.num_block_stages
+    auth = swarm_auth(config.net, Identity.generate())  # a keyed swarm's key, from the config
     tensors: dict[str, Tensor] = {}
     sources: list[dict[str, Any]] = []
     for stage in range(num_block_stages + 1):
@@ -153,7 +170,7 @@ def collect_weights(
         errors: list[str] = []
         for peer in _candidates(status, stage):
             try:
-                state = fetch_stage_state(peer["address"], stage, timeout_s)
+                state = fetch_stage_state(peer["address"], stage, timeout_s, auth)
             except ValueError as e:
                 errors.append(str(e))
                 continue

@@ -15,10 +15,19 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "AuthBadMac",
+    "AuthBadSignature",
+    "AuthError",
+    "AuthMalformed",
+    "AuthMisdirected",
+    "AuthMissing",
+    "AuthReplay",
+    "AuthStale",
     "BadMagic",
     "BadTensorSpec",
     "FrameTooLarge",
     "HeaderTooLarge",
+    "IdentityMismatch",
     "MalformedHeader",
     "MalformedMessage",
     "ProtocolError",
@@ -98,3 +107,60 @@ class MalformedMessage(ProtocolError):
     """A message is missing a field or has a field of the wrong type (message layer)."""
 
     code = "malformed_message"
+
+
+class AuthError(ProtocolError):
+    """A request (or reply) of a keyed swarm whose proof is absent or does not hold."""
+
+    code = "auth_error"
+    http_status = 401
+
+
+class AuthMissing(AuthError):
+    """No proof: the sender does not know the swarm key (or an open node met a keyed one)."""
+
+    code = "auth_missing"
+
+
+class AuthMalformed(AuthError):
+    """The proof header is there but not in the expected form."""
+
+    code = "auth_malformed"
+
+
+class AuthStale(AuthError):
+    """The proof's timestamp lies outside the clock-skew window (or the replay memory)."""
+
+    code = "auth_stale"
+
+
+class AuthMisdirected(AuthError):
+    """The proof names another peer as the receiver: a request replayed to the wrong node."""
+
+    code = "auth_misdirected"
+    http_status = 421
+
+
+class AuthBadMac(AuthError):
+    """The swarm-key MAC does not match: wrong key, or the frame or proof was altered."""
+
+    code = "auth_bad_mac"
+
+
+class AuthBadSignature(AuthError):
+    """The signature does not verify under the public key the proof carries."""
+
+    code = "auth_bad_signature"
+
+
+class AuthReplay(AuthError):
+    """The proof's nonce was seen before: a captured request sent again."""
+
+    code = "auth_replay"
+
+
+class IdentityMismatch(AuthError):
+    """The message claims a sender other than the peer whose key signed it."""
+
+    code = "identity_mismatch"
+    http_status = 403

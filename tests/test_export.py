@@ -61,7 +61,7 @@ def _fake_swarm(
     Stage 1 has two replicas; the more advanced one refuses, so the other is used."""
     fetched: list[str] = []
 
-    def fetch(address: str, stage: int, timeout_s: float = 60.0) -> StageState:
+    def fetch(address: str, stage: int, timeout_s: float = 60.0, auth: Any = None) -> StageState:
         fetched.append(address)
         if address == "b1-ahead:1":
             raise ValueError(f"cannot reach {address}")
