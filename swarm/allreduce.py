@@ -35,6 +35,8 @@ from swarm.seams import Clock, Refused, Transport, TransportError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_MAX_RING_STEPS = 1024
+"""Steps per phase a chunk may name (a ring of more than 1025 members is not supported)."""
 Compute = Callable[[Callable[[], T]], Awaitable[T]]
 
 
@@ -102,6 +104,8 @@ class RingAllReduce:
             rnd = self._rounds[chunk.round_id] = _Round(chunk.members_hash, {})
         if chunk.members_hash != rnd.members_hash:
             raise Refused("ring_mismatch", f"round {chunk.round_id}: members differ")
+        if chunk.phase not in ("reduce", "gather") or not 0 <= chunk.step < _MAX_RING_STEPS:
+            raise Refused("bad_ring_step", f"no ring step {chunk.phase[:16]}/{chunk.step}", 400)
         fut = rnd.inbox.setdefault((chunk.phase, chunk.step), _future())
         if fut.done():
             raise Refused("ring_duplicate", f"chunk {chunk.phase}/{chunk.step} already received")

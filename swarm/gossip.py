@@ -28,7 +28,8 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
      choose each other in a cycle all hear ``busy`` and move on: no deadlock);
    - past ``r``: ``stale``;
    - not yet at ``r``: held until it gets there (at most ``hold_s``), then judged as
-     above; if it does not arrive in time, ``not_ready``.
+     above; if it does not arrive in time, ``not_ready``. At most ``max_held`` requests
+     are held at once (each holds a whole contribution in memory); more are ``busy``.
 5. When every replica is excluded, or the round's deadline passes, the replica takes a
    solo outer step (``G = {i}``): the odd replica out and the replica whose partner died
    both end this way. Each round ends as exactly one of paired or solo.
@@ -77,6 +78,8 @@ class GossipConfig:
     """After this long without a partner, take a solo step."""
     listen_s: float = 0.3
     """Before asking, and between refusals, wait up to this long (random) for a request."""
+    max_held: int = 4
+    """Most requests for a round not reached yet held at once; more are answered busy."""
 
 
 @dataclass
@@ -117,6 +120,7 @@ class GossipService:
         self._target: str | None = None
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
         self._reached = asyncio.Event()
+        self._num_held = 0
 
     @property
     def seeking(self) -> bool:
@@ -208,6 +212,9 @@ class GossipService:
         if req.round <= self.completed:
             raise Refused("stale", f"round {req.round} is over here (at {self.completed})")
         if req.round > self._round:
+            if self._num_held >= self.config.max_held:
+                raise Refused("busy", f"{self._num_held} requests already wait here", 409)
+            self._num_held += 1
             try:
                 async with asyncio.timeout(self.config.hold_s):
                     while req.round > self._round:
@@ -218,6 +225,8 @@ class GossipService:
                     f"round {req.round} not reached within {self.config.hold_s:.0f}s",
                     503,
                 ) from None
+            finally:
+                self._num_held -= 1
             if req.round != self._round:
                 raise Refused("stale", f"round {req.round} skipped here")
         partner = self._partner

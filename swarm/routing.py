@@ -6,7 +6,10 @@ replica's estimated rate of finishing our work: its published service rate (samp
 EMA it measures itself) divided by the work ahead of ours (its queue plus what we already
 have in flight with it). A replica we know nothing about yet gets the best rate seen, so new
 peers are probed early (SWARM's reference probes new peers first). A peer that failed is
-banned for ``ban_s`` seconds. With all peers equally fast and idle the draw is uniform,
+banned for ``ban_s`` seconds. A peer caught misbehaving (poisoned weights, see
+``swarm.screen``) is *quarantined* for longer: routing avoids it, gossip does not pair with
+it, and the daemon refuses its requests with ``banned`` until the quarantine ends; a
+``Leave`` does not lift it. With all peers equally fast and idle the draw is uniform,
 which is what NoLoCo's seeded random permutation gives on average; with unequal peers the
 faster ones get proportionally more work.
 
@@ -29,6 +32,8 @@ class PeerStats:
     num_in_flight: int = 0
     num_failures: int = 0
     banned_until: float = float("-inf")
+    quarantined_until: float = float("-inf")
+    """Until then the peer is banned for misbehaviour, not merely backed off after a failure."""
     latency_ema_s: float | None = None
 
 
@@ -90,10 +95,23 @@ class Router:
                 )
         else:
             s.num_failures += 1
-            s.banned_until = now + self.ban_s
+            s.banned_until = max(now + self.ban_s, s.quarantined_until)
+
+    def quarantine(self, peer_id: str, now: float, seconds: float) -> None:
+        """Ban ``peer_id`` for misbehaviour for ``seconds`` (routing skips it meanwhile too)."""
+        s = self._stats(peer_id)
+        s.quarantined_until = max(s.quarantined_until, now + seconds)
+        s.banned_until = max(s.banned_until, s.quarantined_until)
+
+    def is_quarantined(self, peer_id: str, now: float) -> bool:
+        s = self.stats.get(peer_id)
+        return s is not None and s.quarantined_until > now
 
     def forget(self, peer_id: str) -> None:
-        self.stats.pop(peer_id, None)
+        """Drop what we observed of a peer that left; a quarantine outlives its leaving."""
+        s = self.stats.get(peer_id)
+        if s is not None and s.quarantined_until == float("-inf"):
+            del self.stats[peer_id]
 
     def _stats(self, peer_id: str) -> PeerStats:
         return self.stats.setdefault(peer_id, PeerStats())
