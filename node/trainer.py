@@ -7,7 +7,8 @@ A head-stage node is where every microbatch starts and ends (SWARM's "trainer", 
   block stage has no ready replica;
 - the deadline of each microbatch: one not completed in time is re-issued on a fresh route
   (``retried``) up to ``max_attempts`` issues, then ``dropped``; every issued microbatch ends
-  as exactly one of completed, retried or dropped;
+  as exactly one of completed, retried or dropped, evaluation ones included, so at any
+  moment ``issued == completed + retried + dropped + pending`` (``status()``);
 - the loss at the end of the pipeline, the gradient sent back along the recorded path, and
   the embedding's backward when it returns;
 - evaluation on the fixed held-out split, through the same pipeline without gradients.
@@ -205,6 +206,7 @@ class HeadTrainer:
         self._num_issues += 1
         p.mb_id = f"{self.node.peer_id[:8]}.{seq}.{self._num_issues}"
         self.pending[p.mb_id] = p
+        self.node.counters["microbatches_issued"] += 1  # with the insert: issued == ended + pending
         codec = self.train.wire_codec
         tensors, meta = await runner.run(
             lambda: encode_tensor(runner.head_embed(ids), codec, name="h")
@@ -221,7 +223,6 @@ class HeadTrainer:
             tensors=tensors,
             route=route,
         )
-        self.node.counters["microbatches_issued"] += 1
         self._spawn(self._send_first(p, msg))
 
     async def _send_first(self, p: Pending, msg: Forward) -> None:
@@ -266,7 +267,8 @@ class HeadTrainer:
         async def job() -> Callable[[], Awaitable[None]] | None:
             if p.eval_result is not None:
                 loss, _ = await runner.run(runner.head_loss, h, p.labels, False)
-                self.pending.pop(msg.mb_id, None)
+                if self.pending.pop(msg.mb_id, None) is not None:  # else its deadline counted it
+                    self.node.counters["microbatches_completed"] += 1
                 if not p.eval_result.done():
                     p.eval_result.set_result(loss)
                 return None
@@ -291,8 +293,13 @@ class HeadTrainer:
             self._wake.set()
 
     def backward_job(self, msg: Backward, g: torch.Tensor) -> Callable[[], Awaitable[None]]:
-        """The gradient reached the head again: backprop into the embedding; microbatch done."""
-        p = self.pending.pop(msg.mb_id, None)
+        """The gradient reached the head again: backprop into the embedding; microbatch done.
+
+        The microbatch stays pending until the embedding's backward has run, so it ends exactly
+        once: completed here, or retried or dropped by its deadline when this backward is
+        refused (a full queue) or fails.
+        """
+        p = self.pending.get(msg.mb_id)
         if p is None:
             from swarm.seams import Refused
 
@@ -301,7 +308,16 @@ class HeadTrainer:
         assert runner is not None
 
         async def job() -> None:
-            await runner.run(runner.head_backward, p.ids, g)
+            if self.pending.get(msg.mb_id) is not p:
+                return  # its deadline passed while queued: already counted as retried or dropped
+            p.deadline_s = math.inf  # no re-issue while its gradient is being applied
+            try:
+                await runner.run(runner.head_backward, p.ids, g)
+            except BaseException:
+                p.deadline_s = 0.0  # re-issue it instead
+                raise
+            if self.pending.pop(msg.mb_id, None) is None:
+                return  # a failed send home re-armed its deadline meanwhile: already counted
             tokens = p.ids.numel()
             self.tokens += tokens
             self.window.add(time.monotonic(), tokens)
@@ -354,6 +370,7 @@ class HeadTrainer:
             "tokens_per_s": round(self.window.rate(now), 1),
             "train_s": round(now - self.started_s, 1) if self.started_s else 0.0,
             "in_flight": self._num_training(),
+            "pending": len(self.pending),  # evaluation microbatches too: the accounting's rest
             "pipeline_complete": self.pipeline_complete(),
             "data_shard": self.shard,
         }

@@ -8,6 +8,10 @@ Owns the protocol that keeps every node's ``PeerTable`` converging on the whole 
   ``Welcome``, carries the other side's record and table. Both sides merge what they hear,
   so one contact is enough to learn the whole swarm within a few rounds.
 - A peer heard of by no one for ``ttl_s`` expires; ``Leave`` removes one at once.
+- The address of a peer that expired (not one that left) is contacted again, with a
+  backoff from ``ttl_s`` up to ``LOST_RETRY_MAX_S``, for ``LOST_FORGET_S``: after a network
+  partition heals, that is how the two sides find each other again when nothing else would
+  (a zeroconf sighting is reported once, and a bootstrap peer may be on the far side).
 - Only peers of the same swarm name and model fingerprint are admitted; others are refused
   with code ``wrong_swarm`` and never enter the table.
 
@@ -28,6 +32,11 @@ from swarm.peers import PeerTable
 from swarm.seams import Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
+
+LOST_RETRY_MAX_S = 30.0
+"""Longest wait between two contacts of an expired peer's address."""
+LOST_FORGET_S = 3600.0
+"""How long an expired peer's address is contacted again before it is forgotten."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class MembershipService:
         self.rng = rng
         self.bootstrap: list[str] = []
         self._sighted: set[str] = set()
+        self._lost: dict[str, _Lost] = {}  # addresses of expired peers, retried with backoff
         self.observed_host: str | None = None
         self.num_rounds = 0
 
@@ -89,16 +99,32 @@ class MembershipService:
     async def round(self) -> None:
         """One heartbeat round: expire, then exchange with a sample of peers and new addresses."""
         now = self.clock.now()
+        addresses = {p.peer_id: p.address for p in self.table.records()}
         for peer_id in self.table.expire(now):
             log.info("peer %s expired (silent for %.0fs)", peer_id[:8], self.config.ttl_s)
+            wait_s = self.config.ttl_s
+            self._lost.setdefault(addresses[peer_id], _Lost(now, now + wait_s, wait_s))
         peers = self.table.records()
         sample = self.rng.sample(peers, min(self.config.fanout, len(peers)))
         targets = {p.address for p in sample}
         held = {p.address for p in peers} | {self.self_record().address}
         targets |= {a for a in (*self.bootstrap, *self._sighted) if a not in held}
+        targets |= self._lost_due(now, held)
         self._sighted -= targets
         await asyncio.gather(*(self.contact(a) for a in sorted(targets)))
         self.num_rounds += 1
+
+    def _lost_due(self, now: float, held: set[str]) -> set[str]:
+        """Addresses of expired peers due for another try; each try doubles the next wait."""
+        due = set()
+        for address, lost in list(self._lost.items()):
+            if address in held or now - lost.since_s > LOST_FORGET_S:
+                del self._lost[address]  # back in the table (or given up on)
+            elif now >= lost.next_s:
+                due.add(address)
+                lost.wait_s = min(2 * lost.wait_s, LOST_RETRY_MAX_S)
+                lost.next_s = now + lost.wait_s
+        return due
 
     async def contact(self, address: str) -> bool:
         """Exchange tables with the node at ``address``; False if it did not answer."""
@@ -166,3 +192,12 @@ class MembershipService:
                     record.address,
                     sender.peer_id[:8],
                 )
+
+
+@dataclass
+class _Lost:
+    """An expired peer's address: when it was lost, and when to try it next."""
+
+    since_s: float
+    next_s: float
+    wait_s: float

@@ -2,8 +2,9 @@
 
 Owns: creating N "hosts" (a namespace each, with ``eth0`` on a private bridge, loopback up and a
 224.0.0.0/4 route so multicast such as mDNS works), running processes inside them, partitions
-(``cut``/``heal`` detach and reattach a host's veth), and ALWAYS tearing all of it down: the
-processes started inside, the namespaces, the bridge and the iptables rule. Names carry a random
+(``cut``/``heal`` detach and reattach a host's veth; ``split``/``rejoin`` move a group of hosts
+to a second bridge and back), and ALWAYS tearing all of it down: the processes started inside,
+the namespaces, the bridges and the iptables rules. Names carry a random
 suffix so parallel runs never collide. The recipe is ``shared/tools/netns-lab.sh``.
 Does not own: what runs on the hosts, or latency (this kernel has no netem; tc tbf caps rate).
 
@@ -102,7 +103,8 @@ class Lab:
     bridge: str
     hosts: list[Host] = field(default_factory=list)
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
-    iptables_rule: list[str] | None = None
+    iptables_rules: list[list[str]] = field(default_factory=list)
+    split_bridge: str | None = None  # made by split(): the second side of a partition
     closed: bool = False
 
     @classmethod
@@ -116,7 +118,7 @@ class Lab:
         try:
             _ip("link", "add", lab.bridge, "type", "bridge", "mcast_snooping", "0")
             _ip("link", "set", lab.bridge, "up")
-            lab._allow_forwarding()
+            lab._allow_forwarding(lab.bridge)
             for i in range(n):
                 lab._add_host(i, f"{net}.{i + 1}")
         except BaseException:
@@ -124,17 +126,17 @@ class Lab:
             raise
         return lab
 
-    def _allow_forwarding(self) -> None:
+    def _allow_forwarding(self, bridge: str) -> None:
         # Bridged frames traverse iptables FORWARD when br_netfilter is loaded, and Docker sets
         # that chain's policy to DROP: accept our own bridge explicitly.
         if shutil.which("iptables") is None:
             return
-        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
         done = subprocess.run(
             ["iptables", "-I", *rule], capture_output=True, timeout=_CMD_TIMEOUT_S, check=False
         )
         if done.returncode == 0:
-            self.iptables_rule = rule
+            self.iptables_rules.append(rule)
 
     def _add_host(self, i: int, address: str) -> None:
         ns, veth = f"{self.prefix}{i + 1}", f"v{self.prefix}{i + 1}"
@@ -156,6 +158,22 @@ class Lab:
         """Reattach host ``i`` (0-based) to the bridge."""
         _ip("link", "set", self.hosts[i].veth, "master", self.bridge)
 
+    def split(self, group: Sequence[int]) -> None:
+        """Partition the lab in two: the hosts in ``group`` (0-based) move to a second bridge,
+        so they still reach each other but no longer the rest. ``rejoin`` heals it."""
+        if self.split_bridge is None:
+            self.split_bridge = f"{self.prefix}b2"
+            _ip("link", "add", self.split_bridge, "type", "bridge", "mcast_snooping", "0")
+            _ip("link", "set", self.split_bridge, "up")
+            self._allow_forwarding(self.split_bridge)
+        for i in group:
+            _ip("link", "set", self.hosts[i].veth, "master", self.split_bridge)
+
+    def rejoin(self) -> None:
+        """Heal a ``split``: every host back on the one bridge."""
+        for host in self.hosts:
+            _ip("link", "set", host.veth, "master", self.bridge)
+
     def close(self) -> None:
         """Kill everything started inside, then remove namespaces, rule and bridge. Idempotent."""
         if self.closed:
@@ -174,13 +192,15 @@ class Lab:
             _kill_namespace_pids(host.name)  # anything else still living in the namespace
             _ip("netns", "del", host.name, check=False)
             _ip("link", "del", host.veth, check=False)  # normally gone with the namespace
-        if self.iptables_rule is not None:
+        for rule in self.iptables_rules:
             subprocess.run(
-                ["iptables", "-D", *self.iptables_rule],
+                ["iptables", "-D", *rule],
                 capture_output=True,
                 timeout=_CMD_TIMEOUT_S,
                 check=False,
             )
+        if self.split_bridge is not None:
+            _ip("link", "del", self.split_bridge, check=False)
         _ip("link", "del", self.bridge, check=False)
 
     def __enter__(self) -> Lab:

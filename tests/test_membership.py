@@ -7,7 +7,12 @@ import random
 import pytest
 
 from protocol.messages import Ack, Hello, Leave, Message, PeerRecord
-from swarm.membership import MembershipConfig, MembershipService
+from swarm.membership import (
+    LOST_FORGET_S,
+    LOST_RETRY_MAX_S,
+    MembershipConfig,
+    MembershipService,
+)
 from swarm.peers import PeerTable
 from swarm.seams import Refused, TransportError
 
@@ -24,10 +29,11 @@ class FakeClock:
 
 
 class FakeNet:
-    """Addresses map to services; an address not present is unreachable."""
+    """Addresses map to services; an address not present, or on another side, is unreachable."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, MembershipService] = {}
+        self.side: dict[str, int] = {}  # a partition: addresses on different sides (default 0)
 
     def transport(self, source: str) -> FakeTransport:
         return FakeTransport(self, source)
@@ -39,7 +45,12 @@ class FakeTransport:
 
     async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
         target = self.net.nodes.get(address)
-        if target is None or self.source not in self.net.nodes:
+        side = self.net.side
+        if (
+            target is None
+            or self.source not in self.net.nodes
+            or side.get(self.source, 0) != side.get(address, 0)
+        ):
             raise TransportError("unreachable", address)
         try:
             if isinstance(msg, Hello):
@@ -141,3 +152,42 @@ async def test_unreachable_bootstrap_is_retried_until_it_appears() -> None:
     a = make(net, clock, 0)
     await rounds([a, b], clock, 1)
     assert "p0" in b.table and "p1" in a.table
+
+
+async def test_the_two_sides_of_a_healed_partition_find_each_other_again() -> None:
+    # Discovery by sightings alone (zeroconf reports a peer once): after the partition each
+    # side has expired the other, and only the retried addresses of expired peers reconnect.
+    net, clock = FakeNet(), FakeClock()
+    nodes = [make(net, clock, i) for i in range(6)]
+    for node in nodes[1:]:
+        node.add_address("10.0.0.0:7070")
+    await rounds(nodes, clock, 4)
+    assert all(len(node.table) == 5 for node in nodes)
+    net.side = {f"10.0.0.{i}:7070": 1 for i in (3, 4, 5)}
+    await rounds(nodes, clock, 40)
+    assert all(len(node.table) == 2 for node in nodes)
+    net.side = {}
+    await rounds(nodes, clock, int(LOST_RETRY_MAX_S) + 3)
+    assert all(len(node.table) == 5 for node in nodes)
+
+
+async def test_an_expired_peer_is_retried_with_backoff_then_forgotten() -> None:
+    net, clock = FakeNet(), FakeClock()
+    a, b = make(net, clock, 0), make(net, clock, 1)
+    b.add_bootstrap(["10.0.0.0:7070"])
+    await rounds([a, b], clock, 2)
+    del net.nodes["10.0.0.1:7070"]  # b dies for good
+    tries: list[float] = []
+    contact = a.contact
+
+    async def counting(address: str) -> bool:
+        tries.append(clock.t)
+        return await contact(address)
+
+    a.contact = counting  # type: ignore[method-assign]
+    await rounds([a], clock, int(LOST_FORGET_S) + 100)
+    waits = [t2 - t1 for t1, t2 in zip(tries, tries[1:], strict=False)]
+    retries = waits[waits.index(6.0) :]  # heartbeats each second, then expiry after ttl_s = 5
+    assert retries[:4] == [6.0, 10.0, 20.0, 30.0] and set(retries[4:]) == {30.0}, retries[:6]
+    lost_for = tries[-1] - tries[len(waits) - len(retries)]
+    assert LOST_FORGET_S - 30 <= lost_for <= LOST_FORGET_S, lost_for
