@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
 
     j = sub.add_parser("join", help="run a daemon that serves one stage of the swarm's model")
     j.add_argument(
-        "--stage", help="'auto' (default: the stage with the fewest replicas) or K (0 = head)"
+        "--stage",
+        help="'auto' (default: an empty stage, else the weakest by throughput; may move "
+        "later to balance the swarm) or K (0 = head; never rebalanced)",
     )
     j.add_argument(
         "--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:7070)"
@@ -77,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument(
         "--state-dir", metavar="DIR", help="keep this node's identity here across restarts"
     )
+    j.add_argument(
+        "--swarm-key",
+        metavar="SECRET",
+        help="close the swarm: only nodes with this key (16+ characters) may talk to it; "
+        "shows in ps, so prefer --swarm-key-file (default: an open swarm)",
+    )
+    j.add_argument("--swarm-key-file", metavar="FILE", help="file holding the swarm key")
     j.add_argument(
         "--init",
         metavar="DIR",
@@ -185,6 +194,8 @@ def join_config(args: argparse.Namespace) -> Config:
         "recovery.method": args.recovery,
         "data.path": args.data,
         "node.state_dir": args.state_dir,
+        "net.swarm_key": args.swarm_key,
+        "net.swarm_key_file": args.swarm_key_file,
         "node.init_dir": args.init,
         "net.metrics_port": args.metrics_port,
         "node.log_level": args.log_level,
@@ -222,26 +233,12 @@ def _cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_identity(state_dir: str) -> str | None:
-    """The peer id kept in ``state_dir`` (created on first use); None without a state dir."""
-    if not state_dir:
-        return None
-    path = Path(state_dir) / "peer_id"
-    if path.is_file():
-        return path.read_text().strip()
-    import secrets
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    peer_id = secrets.token_hex(8)
-    path.write_text(peer_id + "\n")
-    return peer_id
-
-
 async def _serve(config: Config) -> None:
     from node.daemon import Node
+    from node.identity import load_identity
     from node.logs import set_context
 
-    node = Node(config, load_identity(config.node.state_dir))
+    node = Node(config, identity=load_identity(config.node.state_dir))
     set_context(
         lambda: f"{node.peer_id[:8]} s{node.stage} step {node.runner.step if node.runner else 0}"
     )
@@ -317,11 +314,29 @@ def format_status(st: dict[str, Any]) -> str:
             f"{per:.2f}s per round, spread to last partner {spread}, "
             f"{sync['bytes_sent'] / 1e6:.1f} MB sent, {sync['bytes_received'] / 1e6:.1f} MB received"
         )
+    bal = st.get("balance")
+    if bal:
+        plan = bal.get("plan")
+        lines.append(
+            f"  balance {bal['policy']}: own block speed {bal['own_block_rate']:.1f} samples/s, "
+            f"{'movable' if bal['movable'] else 'pinned'}, {bal['moves']} move(s)"
+            + (
+                f", planned: {plan['peer_id'][:8]} {plan['source']}->{plan['target']}"
+                if plan
+                else ""
+            )
+        )
     lines.append("  peers:")
     for stage, peers in sorted(st["peers"].items(), key=lambda kv: int(kv[0])):
         if int(stage) < 0:
             continue
-        lines.append(f"    stage {stage}: {len(peers)} peer(s)" + ("" if peers else "  <- none"))
+        total = sum(p["throughput"] for p in peers if p["ready"])
+        if int(stage) == st["stage"] and st["ready"]:
+            total += st["throughput"]
+        lines.append(
+            f"    stage {stage}: {len(peers)} peer(s), {total:.1f} samples/s in all"
+            + ("" if peers else "  <- none")
+        )
         for p in peers:
             lines.append(
                 f"      {p['peer_id']}  {p['address']:<21} step {p['step']:<6} "

@@ -29,7 +29,8 @@ ENV_PREFIX = "MURMUR_"
 @dataclass(frozen=True)
 class NodeConfig:
     stage: str = "auto"
-    """Stage to serve: "auto" (the stage with the fewest live replicas) or a number (0 = head)."""
+    """Stage to serve: "auto" (chosen and rebalanced by ``balance.policy``) or a number
+    (0 = head). Rebalancing never moves a numbered node; refilling an emptied stage may."""
     device: str = "cpu"
     """Torch device for this node's stage ("cpu", "cuda", "cuda:1")."""
     threads: int = 1
@@ -61,6 +62,16 @@ class NetConfig:
     """IPv4 addresses zeroconf binds to; empty: every interface."""
     max_frame_bytes: int = 1 << 30
     """Largest request body accepted; larger ones are refused before they are read."""
+    max_queued_bytes: int = 1 << 30
+    """Bytes of tensors the compute queue may hold; more work is refused as "overloaded"."""
+    rate_limit_per_s: float = 500.0
+    """Requests per second one peer may send (token bucket refill); 0 disables the limit."""
+    rate_limit_burst: float = 1000.0
+    """Requests one peer may send at once before the rate limit applies (bucket size)."""
+    refuse_unknown_peers: bool = True
+    """Refuse microbatches and gossip from peers not in this node's table ("unknown_peer")."""
+    ban_s: float = 300.0
+    """How long a peer caught sending poisoned weights is banned (its requests refused)."""
     inject_latency_s: float = 0.0
     """Testbeds only: one-way delay added to every message this node sends (no netem here)."""
     inject_bandwidth_mbps: float = 0.0
@@ -69,6 +80,11 @@ class NetConfig:
     """Serve Prometheus metrics on this port (0: no metrics endpoint)."""
     metrics_host: str = "0.0.0.0"
     """Address the metrics endpoint binds to."""
+    swarm_key: str = field(default="", repr=False)
+    """Shared secret of a closed swarm (16+ characters): every request is authenticated with
+    it. Empty, with no key file: an open swarm. Command lines show in ``ps``: prefer the file."""
+    swarm_key_file: str = ""
+    """File holding the swarm key (surrounding whitespace ignored)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,8 @@ class TrainConfig:
     """Microbatches per evaluation."""
     compute_delay_s: float = 0.0
     """Artificial delay added to every forward (tests and benchmarks of slow peers)."""
+    compute_delay_stages: tuple[int, ...] = ()
+    """Stages the compute delay applies to; empty: every stage (emulates a costlier stage)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,17 @@ class SyncConfig:
     """Random wait for an incoming request before asking a partner (avoids everyone asking)."""
     ring_step_timeout_s: float = 10.0
     """Deadline of one ring all-reduce step; a missed one fails the round (solo fallback)."""
+    screen_multiple: float = 10.0
+    """A partner's weights further from ours than this multiple of the median of the last
+    accepted distances (before that: of our weights' RMS) are refused and the partner is
+    banned for net.ban_s; non-finite ones always are. 0: only non-finite ones."""
+    screen_window: int = 8
+    """Accepted partner distances whose median is the typical distance."""
+    screen_warmup: int = 3
+    """Accepted partner distances needed before the median is used."""
+    debug_poison: str = ""
+    """Fault injection for tests only: poison this replica's outgoing gossip with "nan" or
+    "scale:K" (its weights times K). Never set this in a real swarm."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +202,27 @@ class RecoveryConfig:
     checkpoint_dir: str = ""
     """Checkpoint baseline: directory every node can reach; empty: one in the system temp dir
     named after the swarm (enough for a swarm on one machine)."""
+    screen_multiple: float = 50.0
+    """A state or rebuild source whose weights are further from this replica's current ones
+    than this multiple of their RMS, or not finite, is refused and banned (0: only the
+    non-finite ones)."""
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+    policy: str = "throughput"
+    """How ``--stage auto`` places a node: throughput (an empty stage, else the block stage
+    with the lowest total service rate, plus rebalancing) or replicas (the fewest replicas)."""
+    interval_s: float = 30.0
+    """Mean seconds between rebalancing checks (randomised 0.5..1.5x); 0 disables moves."""
+    quality: float = 0.75
+    """Petals' margin: move only when current bottleneck / new bottleneck is below this."""
+    cooldown_s: float = 120.0
+    """A node that moved does not move again for this long (no flip-flopping)."""
+    warmup_s: float = 60.0
+    """A node considers moving only after serving its stage this long (a measured rate)."""
+    benchmark_s: float = 1.0
+    """Seconds of start-up benchmark of one block stage (cached in the state dir); 0: skip."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +236,7 @@ class Config:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
 
 def resolve_config(
@@ -231,8 +282,11 @@ def resolve_config(
 
 
 def describe(config: Config) -> dict[str, dict[str, Any]]:
-    """The resolved config as plain data, for the start-up log and ``/status``."""
-    return dataclasses.asdict(config)
+    """The resolved config as plain data, for the start-up log (the swarm key blanked)."""
+    out = dataclasses.asdict(config)
+    if out["net"]["swarm_key"]:
+        out["net"]["swarm_key"] = "<set>"
+    return out
 
 
 def field_docs() -> list[tuple[str, str, str]]:
@@ -334,10 +388,20 @@ def _validate(c: Config) -> None:
         raise ValueError(
             "recovery.method checkfree+ needs at least 4 block stages (swarm.num_block_stages)"
         )
+    if c.balance.policy not in ("throughput", "replicas"):
+        raise ValueError(f"balance.policy must be throughput or replicas, not {c.balance.policy!r}")
+    if not 0 < c.balance.quality <= 1:
+        raise ValueError(f"balance.quality must be in (0, 1], got {c.balance.quality}")
     if c.sync.codec not in ("fp32", "bf16", "int8"):
         raise ValueError(f"sync.codec must be fp32, bf16 or int8, not {c.sync.codec!r}")
     if c.sync.outer_steps < 1:
         raise ValueError(f"sync.outer_steps must be at least 1, got {c.sync.outer_steps}")
+    if not _poison_spec_ok(c.sync.debug_poison):
+        raise ValueError(
+            f'sync.debug_poison must be "", "nan" or "scale:K", not {c.sync.debug_poison!r}'
+        )
+    if c.sync.screen_window < 1 or c.sync.screen_warmup < 0 or c.sync.screen_multiple < 0:
+        raise ValueError("sync.screen_window must be >= 1, screen_warmup and _multiple >= 0")
     if c.train.wire_codec not in ("fp32", "bf16", "int8"):
         raise ValueError(f"train.wire_codec must be fp32, bf16 or int8, not {c.train.wire_codec!r}")
     if c.data.seq_len > c.model.max_seq_len:
@@ -377,3 +441,15 @@ def _docstrings(cls: type) -> dict[str, str]:
         ):
             docs[prev.target.id] = " ".join(node.value.value.split())
     return docs
+
+
+def _poison_spec_ok(spec: str) -> bool:
+    """Whether ``spec`` is a valid ``sync.debug_poison`` value: "", "nan" or "scale:K"."""
+    kind, sep, factor = spec.partition(":")
+    if not sep:
+        return spec in ("", "nan")
+    try:
+        float(factor)
+    except ValueError:
+        return False
+    return kind == "scale"

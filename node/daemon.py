@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import secrets
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -23,12 +22,22 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from node.balance import Balancer
 from node.config import Config, describe, parse_hostport
+from node.guard import RequestGuard
+from node.identity import swarm_auth
 from node.model import model_fingerprint
 from node.netem import ShapedTransport
 from node.recovery import RecoveryService
 from node.runner import StageRunner
-from node.transport import RPC_PATH, HttpTransport, frame_response, read_frame
+from node.transport import (
+    RPC_PATH,
+    HttpTransport,
+    frame_response,
+    read_frame,
+    sealed_response,
+)
+from protocol.auth import AUTH_HEADER, Identity, Incoming, frame_digest
 from protocol.errors import ProtocolError
 from protocol.frames import Limits
 from protocol.messages import (
@@ -50,7 +59,6 @@ from protocol.messages import (
     expect,
 )
 from protocol.quant import decode_tensor, encode_tensor
-from swarm.assignment import choose_stage
 from swarm.discovery import (
     ZeroconfDiscovery,
     announce_addresses,
@@ -73,14 +81,21 @@ _PRIORITY = {"backward": 0, "loss": 1, "forward": 2}
 class Node:
     """A swarm node serving one stage."""
 
-    def __init__(self, config: Config, peer_id: str | None = None) -> None:
+    def __init__(
+        self, config: Config, peer_id: str | None = None, identity: Identity | None = None
+    ) -> None:
         self.config = config
-        self.peer_id = peer_id or secrets.token_hex(8)
+        self.identity = identity or Identity.generate()
+        self.auth = swarm_auth(config.net, self.identity)  # None: an open swarm
+        if peer_id and self.auth is not None and peer_id != self.identity.peer_id:
+            raise ValueError("in a keyed swarm a node's peer id is its identity's")
+        self.peer_id = peer_id or self.identity.peer_id
         self.num_stages = config.swarm.num_block_stages + 1
         self.fingerprint = model_fingerprint(
             config.model, config.swarm.num_block_stages, config.swarm.seed
         )
         self.stage = -1
+        self.stage_since = time.monotonic()
         self.ready = False
         self.leaving = False
         self.address = ""
@@ -88,7 +103,7 @@ class Node:
         self.clock = MonotonicClock()
         self.rng = random.Random(self.peer_id)
         self.limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
-        self.transport = HttpTransport(self.limits)
+        self.transport = HttpTransport(self.limits, self.auth)
         net = config.net
         self.link: Transport = self.transport
         if net.inject_latency_s or net.inject_bandwidth_mbps:
@@ -111,10 +126,13 @@ class Node:
         self.trainer: Any = None  # node.trainer.HeadTrainer on stage 0
         self.sync: Any = None  # node.sync.StageSync once joined
         self.recovery = RecoveryService(self)
+        self.balancer = Balancer(self)
+        self.guard = RequestGuard(self)  # admission of requests, bans of hostile peers
         self.discovery: ZeroconfDiscovery | None = None
         self.counters: Counter[str] = Counter()
         self._queue: asyncio.PriorityQueue[tuple[int, int, Job]] = asyncio.PriorityQueue()
         self._seq = 0
+        self._job_bytes: dict[int, int] = {}  # tensor bytes held by each queued job, by seq
         self._busy = 0
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
@@ -133,7 +151,7 @@ class Node:
             address=self.address,
             stage=self.stage,
             step=r.step if r else 0,
-            throughput=r.service_rate if r else 0.0,
+            throughput=r.service_rate if r else self.balancer.estimate(self.stage),
             queue=self._queue.qsize(),
             ready=self.ready and not self.leaving,
             leaving=self.leaving,
@@ -141,6 +159,7 @@ class Node:
             loss=self.trainer.last_loss if self.trainer else None,
             head_backup_step=self.recovery.head_backup_step,
             data_shard=self.trainer.shard if self.trainer else -1,
+            movable=self.balancer.movable,
         )
 
     def status(self) -> dict[str, Any]:
@@ -165,6 +184,7 @@ class Node:
             "address": self.address,
             "swarm": self.config.swarm.name,
             "fingerprint": self.fingerprint,
+            "auth": "open" if self.auth is None else "swarm_key",
             "stage": self.stage,
             "num_stages": self.num_stages,
             "ready": self.ready,
@@ -183,6 +203,7 @@ class Node:
         if self.sync is not None:
             out["sync"] = self.sync.status()
         out["recovery"] = self.recovery.status()
+        out["balance"] = self.balancer.status()
         if self.trainer is not None:
             out.update(self.trainer.status())
         return out
@@ -203,6 +224,14 @@ class Node:
                 self, self.config.net.metrics_host, self.config.net.metrics_port
             )
         log.info("config: %s", describe(self.config))
+        if self.auth is None:
+            log.warning(
+                "swarm is open: no --swarm-key, so anyone who reaches %s can join, send any "
+                "request and claim any peer id (see SECURITY.md)",
+                self.address,
+            )
+        else:
+            log.info("swarm key set: every request is authenticated; this is peer %s", self.peer_id)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
@@ -217,6 +246,7 @@ class Node:
                         tg.create_task(self._worker()),
                         tg.create_task(self._housekeeping()),
                         tg.create_task(self.recovery.run()),
+                        tg.create_task(self.balancer.run()),
                     ]
                     if self.trainer is not None:
                         background.append(tg.create_task(self.trainer.run()))
@@ -313,12 +343,12 @@ class Node:
 
     async def _join(self) -> None:
         """Listen for the swarm, pick a stage, get its weights, start serving."""
-        await asyncio.sleep(self.config.node.join_wait_s)
+        t0 = time.monotonic()
+        await self.balancer.measure()  # while we listen for peers
+        await asyncio.sleep(max(0.0, self.config.node.join_wait_s - (time.monotonic() - t0)))
         self._adopt_observed()
         if self.config.node.stage == "auto":
-            counts = self.table.stage_counts(self.num_stages)
-            self.stage = choose_stage(counts, self.rng)
-            log.info("stage auto: replicas per stage %s -> joining stage %d", counts, self.stage)
+            self.stage = self.balancer.choose()
         else:
             self.stage = int(self.config.node.stage)
         await self._take_stage(self.stage)
@@ -328,9 +358,17 @@ class Node:
         from node.sync import StageSync
         from node.trainer import HeadTrainer
 
+        known_rate = 0.0  # a mover keeps its measured speed, scaled if stages differ in cost
+        if self.runner is not None and self.balancer.estimate(self.stage) > 0:
+            known_rate = self.runner.service_rate * (
+                self.balancer.estimate(stage) / self.balancer.estimate(self.stage)
+            )
         self.stage = stage
+        self.stage_since = time.monotonic()
         self.runner = StageRunner(self.config, stage)
         await self.runner.start()
+        if stage > 0:  # publish a rate at once: what we served before, else the benchmark
+            self.runner.seed_rate(known_rate or self.balancer.estimate(stage))
         if stage == 0:
             self.trainer = HeadTrainer(self)
             await self.trainer.prepare()
@@ -362,11 +400,15 @@ class Node:
         assert self.runner is not None
         sources = sorted(self.table.replicas(self.stage), key=lambda p: -p.step)
         for peer in sources:
+            if self.router.is_quarantined(peer.peer_id, self.clock.now()):
+                continue  # it sent poisoned weights before
             try:
                 reply = await self.link.request(
                     peer.address, FetchState(stage=self.stage), timeout_s=60.0
                 )
                 state = expect(reply, StageState)
+                if not await self.recovery.screen_source(peer.peer_id, state.tensors):
+                    continue  # poisoned: refused and banned
                 await self.runner.run(self.runner.load, state.tensors, state.step, state.samples)
             except (TransportError, ValueError) as e:
                 log.warning("state fetch from %s failed: %s", peer.peer_id[:8], e)
@@ -426,16 +468,29 @@ class Node:
 
     # ---- the compute queue --------------------------------------------------------------
 
-    def enqueue(self, kind: str, job: Job) -> None:
+    def enqueue(self, kind: str, job: Job, nbytes: int = 0) -> None:
+        """Queue ``job``, which holds ``nbytes`` of tensors; ``busy`` or ``overloaded`` if full."""
         if self._queue.qsize() >= self.config.train.max_queue:
             raise Refused("busy", f"queue full ({self._queue.qsize()} jobs)", 503)
+        if self._queue.empty():
+            self._job_bytes.clear()  # jobs dropped unrun (a stage move) hold nothing any more
+        queued = sum(self._job_bytes.values())
+        if nbytes and queued + nbytes > self.config.net.max_queued_bytes:
+            raise Refused(
+                "overloaded",
+                f"{queued} bytes of work queued, {nbytes} more would pass the "
+                f"{self.config.net.max_queued_bytes}-byte limit",
+                503,
+            )
         self._seq += 1
+        self._job_bytes[self._seq] = nbytes
         self._queue.put_nowait((_PRIORITY[kind], self._seq, job))
 
     async def _worker(self) -> None:
         """Run queued jobs one at a time; their sends overlap with the next computation."""
         while True:
-            _, _, job = await self._queue.get()
+            _, seq, job = await self._queue.get()
+            self._job_bytes.pop(seq, None)
             self._busy += 1
             try:
                 send = await job()
@@ -472,13 +527,26 @@ class Node:
     async def _handle_rpc(self, request: web.Request) -> web.Response:
         peer_host = request.remote or "?"
         try:
-            msg = await read_frame(request, self.limits)
+            incoming = self._authenticate(request)
+            msg = await read_frame(request, self.limits, incoming)
+            if incoming is not None:
+                incoming.check_sender(msg)
             reply = await self._dispatch(msg, peer_host)
         except ProtocolError as e:
             return self._refuse(e.code, str(e), e.http_status, peer_host)
         except Refused as e:
             return self._refuse(e.code, e.message, e.http_status, peer_host)
-        return frame_response(reply)
+        except Exception as e:  # unforeseen input must not take the daemon down: refuse it
+            log.debug("request from %s raised", peer_host, exc_info=True)
+            return self._refuse("internal_error", f"{type(e).__name__}: {e}", 500, peer_host)
+        return await sealed_response(reply, incoming)
+
+    def _authenticate(self, request: web.Request) -> Incoming | None:
+        """A keyed swarm's cheap checks of a request's proof, before its body is read."""
+        if self.auth is None:
+            return None
+        header = request.headers.get(AUTH_HEADER)
+        return self.auth.accept(header, request.method, request.path, time.time())
 
     def _refuse(self, code: str, message: str, status: int, peer_host: str) -> web.Response:
         self.counters[f"rejected_{code}"] += 1
@@ -488,6 +556,7 @@ class Node:
         return frame_response(Error(code=code, message=message), status=status)
 
     async def _dispatch(self, msg: Message, peer_host: str) -> Message:
+        self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
         if isinstance(msg, Hello):
             return self.membership.handle_hello(msg, peer_host)
         if isinstance(msg, Leave):
@@ -557,10 +626,12 @@ class Node:
                 400,
             )
         x = self._activation(msg.tensors, msg.meta)
+        nbytes = x.numel() * x.element_size()
         if self.stage == 0:
-            self.enqueue("loss", self.trainer.loss_job(msg, x))
+            self.enqueue("loss", self.trainer.loss_job(msg, x), nbytes)
         else:
-            self.enqueue("forward", self._forward_job(msg, x))
+            self.enqueue("forward", self._forward_job(msg, x), nbytes)
+        self.guard.accepted(msg)
         return Ack()
 
     def _on_backward(self, msg: Backward) -> Ack:
@@ -570,8 +641,10 @@ class Node:
                 "not_on_path", f"this node is not hop {msg.index} of microbatch {msg.mb_id}", 400
             )
         g = self._activation(msg.tensors, msg.meta)
+        nbytes = g.numel() * g.element_size()
         if self.stage == 0:
-            self.enqueue("backward", self.trainer.backward_job(msg, g))
+            self.enqueue("backward", self.trainer.backward_job(msg, g), nbytes)
+            self.guard.accepted(msg)
             return Ack()
         assert self.runner is not None
         if not self.runner.has_saved(msg.mb_id):
@@ -580,7 +653,8 @@ class Node:
                 f"no saved activations for {msg.mb_id} (expired or never seen)",
                 410,
             )
-        self.enqueue("backward", self._backward_job(msg, g))
+        self.enqueue("backward", self._backward_job(msg, g), nbytes)
+        self.guard.accepted(msg)
         return Ack()
 
     async def _on_fetch_state(self, msg: FetchState) -> StageState:
@@ -598,6 +672,13 @@ class Node:
         return web.json_response(self.status())
 
     async def _handle_eval(self, request: web.Request) -> web.Response:
+        try:  # in a keyed swarm, a proof over an empty body (evaluating costs the swarm work)
+            incoming = self._authenticate(request)
+            if incoming is not None:
+                incoming.verify(frame_digest([]))
+        except ProtocolError as e:
+            self._refuse(e.code, str(e), e.http_status, request.remote or "?")
+            return web.json_response({"error": f"{e.code}: {e}"}, status=e.http_status)
         if self.trainer is None or not self.ready:
             return web.json_response(
                 {"error": "only a ready head-stage node evaluates"}, status=409
@@ -701,10 +782,21 @@ class Node:
         """Send one hop; ``None`` when the peer accepted it, else the error code."""
         self.router.started(peer_id)
         t0 = time.monotonic()
+        timeout_s = self.config.train.hop_timeout_s
         try:
-            expect(await self.link.request(address, msg, self.config.train.hop_timeout_s), Ack)
+            try:
+                reply = await self.link.request(address, msg, timeout_s)
+            except TransportError as e:
+                # a peer that has not heard of us yet: introduce ourselves, then ask once more
+                if e.code != "unknown_peer" or not await self.membership.contact(address):
+                    raise
+                reply = await self.link.request(address, msg, timeout_s)
+            expect(reply, Ack)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"
+            if code == "duplicate_microbatch":  # it reached that peer by another route already
+                self.router.finished(peer_id, True, self.clock.now())
+                return None
             self.router.finished(peer_id, False, self.clock.now())
             self.counters[f"send_failed_{code}"] += 1
             self.log_limited(

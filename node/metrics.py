@@ -56,6 +56,7 @@ _NAMED_COUNTERS = {
     "job_errors": ("murmur_job_errors", "Queued compute jobs that raised."),
     "send_errors": ("murmur_send_errors", "Sends that raised after their computation."),
     "non_finite_loss": ("murmur_non_finite_loss", "Microbatches whose loss was NaN or infinite."),
+    "peers_banned": ("murmur_peers_banned", "Peers banned for sending poisoned weights."),
 }
 """``Node.counters`` keys with a family of their own (prefix families are handled apart)."""
 
@@ -116,6 +117,8 @@ class NodeCollector(Collector):
             yield from _sync_families(st["sync"])
         if isinstance(st.get("recovery"), dict):
             yield from _recovery_families(st["recovery"])
+        if isinstance(st.get("balance"), dict):
+            yield from _balance_families(st["balance"])
         yield from _traffic_families(snap.client, snap.server)
 
     def _snapshot(self) -> Snapshot:
@@ -209,6 +212,11 @@ def _counter_families(counters: dict[str, int], head: bool) -> Iterator[Metric]:
         "murmur_send_failures", "Hops a peer did not accept, by error code.", labels=["code"]
     )
     other = CounterMetricFamily("murmur_events", "Other counted events, by name.", labels=["event"])
+    poisoned = CounterMetricFamily(
+        "murmur_weights_refused",
+        "Peer weights refused as poisoned, by source (gossip, recovery) and reason.",
+        labels=["source", "reason"],
+    )
     named = {key: 0 for key in _NAMED_COUNTERS}
     head = head or any(k.startswith("microbatches_") for k in counters)
     outcomes = dict.fromkeys(("completed", "retried", "dropped"), 0) if head else {}
@@ -221,6 +229,9 @@ def _counter_families(counters: dict[str, int], head: bool) -> Iterator[Metric]:
             rejected.add_metric([key.removeprefix("rejected_")], value)
         elif key.startswith("send_failed_"):
             failed.add_metric([key.removeprefix("send_failed_")], value)
+        elif key.startswith("weights_refused:"):
+            _, source, reason = (key.split(":") + ["", ""])[:3]
+            poisoned.add_metric([source, reason], value)
         elif key in named:
             named[key] = value
         else:
@@ -230,7 +241,7 @@ def _counter_families(counters: dict[str, int], head: bool) -> Iterator[Metric]:
     if head:
         issued.add_metric([], counters.get("microbatches_issued", 0))
         yield issued
-    yield from (mb, rejected, failed, other)
+    yield from (mb, rejected, failed, other, poisoned)
     for key, value in named.items():
         name, doc = _NAMED_COUNTERS[key]
         yield _counter(name, doc, value)
@@ -330,6 +341,17 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
             "RMS distance of this replica's slow weights to its last partner's.",
             _num(sync["spread_rms"]),
         )
+
+
+def _balance_families(bal: dict[str, Any]) -> Iterator[Metric]:
+    yield _counter(
+        "murmur_balance_moves", "Stage changes this node made to rebalance.", bal["moves"]
+    )
+    yield _gauge(
+        "murmur_balance_own_block_rate",
+        "This node's start-up benchmark: samples/s through one block stage.",
+        bal["own_block_rate"],
+    )
 
 
 def _recovery_families(rec: dict[str, Any]) -> Iterator[Metric]:

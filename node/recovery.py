@@ -5,7 +5,7 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
 - **Watch.** Every second the node looks at its peer table; a stage with no ready replica
   is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.trainer``
   waits for a complete pipeline) rather than failing them.
-- **Refill.** A joining ``--stage auto`` node takes an empty stage first (``choose_stage``).
+- **Refill.** A joining ``--stage auto`` node takes an empty stage first (``node.balance``).
   If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
   stage with the most replicas (never its last) moves there; every node computes the same
   answer from its table, so one node moves.
@@ -20,6 +20,11 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
 - **Checkpoint-restart** (the other baseline): every node saves its stage every
   ``checkpoint_every`` steps; a lost stage restarts from its last save, and the node that
   restarts it tells every peer to roll back to its own last save.
+
+Every source's weights (a replica copied at join, the neighbours a rebuild averages, a head
+backup) pass ``swarm.screen`` first: non-finite ones, or ones further from this replica's
+current weights than ``recovery.screen_multiple`` times their RMS, are refused, the source
+banned (``node.guard``) and the next one tried.
 
 Keeps the counts ``node status`` and the metrics show: recoveries by kind, seconds from the
 stage being seen empty to the node serving it, and the source stages used.
@@ -40,6 +45,7 @@ import torch
 from node.checkpoint import load_checkpoint, save_checkpoint
 from protocol.messages import FetchState, HeadBackup, PeerRecord, Rollback, StageState, expect
 from swarm.recovery import RecoveryPlan, choose_mover, plan_recovery, random_seed, weighted_average
+from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused, TransportError
 
 if TYPE_CHECKING:
@@ -66,6 +72,19 @@ class RecoveryService:
         self.checkpoint_dir = self.config.checkpoint_dir or str(
             Path(tempfile.gettempdir()) / f"murmuration-checkpoints-{node.config.swarm.name}"
         )
+
+    async def screen_source(self, peer_id: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether the weights in ``tensors`` (``param.*`` entries) may be used; if not, the
+        source is banned. ``ValueError`` when they do not fit this stage at all."""
+        runner = self.node.runner
+        assert runner is not None
+        params = _params(tensors)
+        distance, scale = await runner.run(runner.distance_to, params)
+        screen = WeightScreen(ScreenConfig(multiple=self.config.screen_multiple, warmup=1))
+        reason = screen.judge(distance, scale)
+        if reason is not None:
+            self.node.guard.ban(peer_id, "recovery", reason, screen.describe(distance, scale))
+        return reason is None
 
     @property
     def head_backup_step(self) -> int:
@@ -219,12 +238,10 @@ class RecoveryService:
                 await node.link.request(holder.address, FetchState(stage=0), timeout_s=60.0),
                 StageState,
             )
-            params = {
-                k.removeprefix("param."): v
-                for k, v in state.tensors.items()
-                if k.startswith("param.")
-            }
-            await runner.run(runner.adopt_weights, params, self.config.lr_scale)
+            if await self.screen_source(holder.peer_id, state.tensors):
+                await runner.run(runner.adopt_weights, _params(state.tensors), self.config.lr_scale)
+            else:  # a poisoned backup (its holder is banned now): the initial weights it is
+                plan = RecoveryPlan(stage, "seed")
         else:
             states = [await self._fetch_params(src.stage) for src in plan.sources]
             weights = [src.weight for src in plan.sources]
@@ -262,20 +279,21 @@ class RecoveryService:
 
     async def _fetch_params(self, stage: int) -> dict[str, torch.Tensor]:
         """Weights of the most advanced live replica of ``stage`` that answers."""
+        now = self.node.clock.now()
         for peer in sorted(self.node.table.replicas(stage), key=lambda p: -p.step):
+            if self.node.router.is_quarantined(peer.peer_id, now):
+                continue
             try:
                 reply = await self.node.link.request(
                     peer.address, FetchState(stage=stage), timeout_s=60.0
                 )
                 state = expect(reply, StageState)
+                if not await self.screen_source(peer.peer_id, state.tensors):
+                    continue
             except (TransportError, ValueError) as e:
                 log.warning("fetching stage %d from %s failed: %s", stage, peer.peer_id[:8], e)
                 continue
-            return {
-                k.removeprefix("param."): v
-                for k, v in state.tensors.items()
-                if k.startswith("param.")
-            }
+            return _params(state.tensors)
         raise RuntimeError(f"no replica of stage {stage} answered")
 
     def status(self) -> dict[str, Any]:
@@ -288,3 +306,8 @@ class RecoveryService:
             "empty_stages": sorted(self.empty_since),
             "head_backup_step": self.head_backup_step,
         }
+
+
+def _params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights in a ``StageState``'s tensors, named as the stage module names them."""
+    return {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}

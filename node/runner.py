@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from node.balance import compute_delay
 from node.config import Config, TrainConfig
 from node.model import BlockStage, HeadStage, build_stage
 from protocol.quant import decode_tensor, encode_tensor
@@ -41,6 +42,9 @@ from swarm.outer import (
 )
 
 T = TypeVar("T")
+
+RATE_DECAY = 0.95
+"""Per piece of work (a forward, a backward) decay of the service-rate sums: ~20 pieces."""
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -61,6 +65,21 @@ class _Saved:
     out: torch.Tensor | None
     step: int
     created_s: float
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A partner's decoded NoLoCo offer and how far it lies from this replica."""
+
+    phi: torch.Tensor
+    delta: torch.Tensor
+    distance: float
+    """RMS distance between the partner's fast weights (phi + delta) and ours; NaN if its
+    tensors are not finite."""
+    scale: float
+    """RMS of our own fast weights."""
+    movement: float
+    """RMS of our own pseudo-gradient: how far we moved since our last outer step."""
 
 
 @dataclass
@@ -99,9 +118,10 @@ class StageRunner:
         self.outer_m = torch.empty(0)
         self._saved: dict[str, _Saved] = {}
         self.thermo = Thermometers()
-        self.service_rate = 0.0
+        self.delay_s = compute_delay(config, stage)
         self.compute_s = 0.0
-        self._unattributed_s = 0.0
+        self._recent_samples = 0.0
+        self._recent_s = 0.0
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the compute thread."""
@@ -134,8 +154,8 @@ class StageRunner:
         """Output activations for ``x``; in training, keeps what backward needs under ``mb_id``."""
         assert isinstance(self.module, BlockStage)
         t0 = time.perf_counter()
-        if self.train.compute_delay_s:
-            time.sleep(self.train.compute_delay_s)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         x = x.to(self.device, torch.float32).detach()  # never flag the caller's tensor
         if not train:
             with torch.no_grad(), self._autocast():
@@ -277,27 +297,43 @@ class StageRunner:
     def outer_contribution(self, codec: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This replica's NoLoCo offer: slow weights and pseudo-gradient, encoded."""
         theta = parameters_to_vector(self.module.parameters()).detach()
-        phi_t, phi_meta = encode_tensor(self.phi, codec, name="phi")
-        d_t, d_meta = encode_tensor(theta - self.phi, codec, name="delta")
+        phi, delta = self.phi, theta - self.phi
+        if self.sync.debug_poison:  # fault injection (tests): what a hostile partner sends
+            spec = self.sync.debug_poison
+            phi, delta = _poisoned(phi, spec), _poisoned(delta, spec)
+        phi_t, phi_meta = encode_tensor(phi, codec, name="phi")
+        d_t, d_meta = encode_tensor(delta, codec, name="delta")
         return {**phi_t, **d_t}, {"phi": phi_meta, "delta": d_meta}
 
-    def apply_noloco(
-        self, partner: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
-    ) -> float | None:
-        """NoLoCo's outer step with the partner's offer (or solo); returns the slow-weight spread."""
+    def decode_offer(self, partner: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> Offer:
+        """A partner's NoLoCo offer, decoded and measured against this replica (not applied).
+
+        ``ValueError`` (``ProtocolError`` included) when it is malformed or does not fit.
+        """
+        tensors, meta = partner
+        if not isinstance(meta.get("phi"), dict) or not isinstance(meta.get("delta"), dict):
+            raise ValueError("offer lacks phi or delta metadata")
+        phi_j = decode_tensor(tensors, meta["phi"]).to(self.phi.device)
+        d_j = decode_tensor(tensors, meta["delta"]).to(self.phi.device)
+        if phi_j.shape != self.phi.shape or d_j.shape != self.phi.shape:
+            raise ValueError(
+                f"partner sent {tuple(phi_j.shape)} weights, this stage has {tuple(self.phi.shape)}"
+            )
+        theta = parameters_to_vector(self.module.parameters()).detach()
+        finite = bool(torch.isfinite(phi_j).all() and torch.isfinite(d_j).all())
+        # the partner's fast weights against ours: a poisoned phi or delta both show here
+        distance = rms_distance(phi_j + d_j, theta) if finite else math.nan
+        zeros = torch.zeros_like(theta)
+        return Offer(
+            phi_j, d_j, distance, rms_distance(theta, zeros), rms_distance(theta - self.phi, zeros)
+        )
+
+    def apply_noloco(self, offer: Offer | None) -> float | None:
+        """NoLoCo's outer step with a screened offer (or solo); returns the slow-weight spread."""
         partners, spread = [], None
-        if partner is not None:
-            tensors, meta = partner
-            phi_j = decode_tensor(tensors, meta["phi"]).to(self.phi.device)
-            d_j = decode_tensor(tensors, meta["delta"]).to(self.phi.device)
-            if phi_j.shape != self.phi.shape or d_j.shape != self.phi.shape:
-                raise ValueError(
-                    f"partner sent {tuple(phi_j.shape)} weights, this stage has {tuple(self.phi.shape)}"
-                )
-            if not bool(torch.isfinite(phi_j).all() and torch.isfinite(d_j).all()):
-                raise ValueError("partner's weights are not finite")
-            spread = rms_distance(self.phi, phi_j)
-            partners.append((d_j, phi_j))
+        if offer is not None:
+            spread = rms_distance(self.phi, offer.phi)
+            partners.append((offer.delta, offer.phi))
         theta = parameters_to_vector(self.module.parameters()).detach()
         noloco_outer_step(theta, self.phi, self.outer_m, partners, self.noloco)
         vector_to_parameters(theta, self.module.parameters())
@@ -329,16 +365,23 @@ class StageRunner:
         lo, hi = torch.aminmax(out.detach())
         self.thermo.act_min, self.thermo.act_max = float(lo), float(hi)
 
+    @property
+    def service_rate(self) -> float:
+        """Samples per second of compute, over roughly the last ``1 / (1 - RATE_DECAY)`` pieces
+        of work: a ratio of decayed sums, so a forward's time and its backward's samples
+        count together whatever order they come in."""
+        return self._recent_samples / self._recent_s if self._recent_s > 0 else 0.0
+
+    def seed_rate(self, rate: float, weight_s: float = 1.0) -> None:
+        """Start the service rate from an estimate worth ``weight_s`` seconds of work."""
+        self._recent_samples, self._recent_s = rate * weight_s, weight_s if rate > 0 else 0.0
+
     def _account(self, t0: float, num_samples: int) -> None:
-        """Track compute time; every finished sample updates the service-rate EMA."""
+        """Track compute time and finished samples (decayed sums for the service rate)."""
         elapsed = time.perf_counter() - t0
         self.compute_s += elapsed
-        self._unattributed_s += elapsed
-        if num_samples:
-            rate = num_samples / max(self._unattributed_s, 1e-6)
-            prev = self.service_rate
-            self.service_rate = rate if not prev else 0.8 * prev + 0.2 * rate
-            self._unattributed_s = 0.0
+        self._recent_s = RATE_DECAY * self._recent_s + elapsed
+        self._recent_samples = RATE_DECAY * self._recent_samples + num_samples
 
     # ---- state transfer -----------------------------------------------------------------
 
@@ -357,6 +400,28 @@ class StageRunner:
     def params(self) -> dict[str, torch.Tensor]:
         """This stage's weights by name (CPU copies), what a recovering neighbour needs."""
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def distance_to(self, params: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """RMS distance of ``params`` (named like ``params()``) to this stage's weights, and
+        the RMS of ours; NaN distance if any is not finite. ``ValueError`` if they do not fit."""
+        own = self.module.state_dict()
+        if params.keys() != own.keys():
+            raise ValueError(f"weights for stage {self.stage} have the wrong parameter names")
+        sq_dist = sq_own = 0.0
+        numel = 0
+        for k, mine in own.items():
+            theirs = params[k]
+            if theirs.shape != mine.shape:
+                raise ValueError(
+                    f"tensor {k} has shape {tuple(theirs.shape)}, not {tuple(mine.shape)}"
+                )
+            a = mine.detach().float()
+            b = theirs.detach().to(a.device, torch.float32)
+            sq_dist += float(((b - a) ** 2).sum())
+            sq_own += float((a**2).sum())
+            numel += a.numel()
+        n = max(1, numel)
+        return math.sqrt(sq_dist / n), math.sqrt(sq_own / n)
 
     def adopt_weights(self, params: dict[str, torch.Tensor], lr_scale: float) -> None:
         """Take rebuilt weights (CheckFree) with a fresh Adam at ``lr * lr_scale``."""
@@ -417,6 +482,14 @@ class StageRunner:
             self._init_outer()
         self.step, self.samples = step, samples
         self.outer_rounds = step // self.sync.outer_steps
+
+
+def _poisoned(t: torch.Tensor, spec: str) -> torch.Tensor:
+    """``t`` as ``sync.debug_poison`` corrupts it: all NaN ("nan") or times K ("scale:K")."""
+    if spec == "nan":
+        return torch.full_like(t, math.nan)
+    kind, _, factor = spec.partition(":")
+    return t * float(factor) if kind == "scale" else t
 
 
 def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -6,8 +6,10 @@ while forward and backward keep flowing) and the swarm services that move the by
 torch work (snapshots, encoding, the update rules) runs on the compute thread; the event
 loop only waits on the network. Every round ends in a defined way: NoLoCo paired or solo;
 DiLoCo and data parallel all-reduced or, when the ring fails, solo (each replica applies
-its own pseudo-gradient or gradient). Also keeps the statistics ``node status`` and the
-metrics show.
+its own pseudo-gradient or gradient). A NoLoCo partner's offer passes ``swarm.screen``
+first: one that is malformed, not finite or too far from this replica is refused (solo
+step) and the partner banned (``node.guard``); banned peers are never chosen as partners.
+Also keeps the statistics ``node status`` and the metrics show.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.messages import GossipReply, GossipRequest, Hop, RingChunk
+from node.runner import Offer
+from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
+from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
 
 if TYPE_CHECKING:
@@ -66,7 +70,14 @@ class StageSync:
             rng=node.rng,
             self_id=node.peer_id,
             stage=node.stage,
-            replicas=lambda: node.table.replicas(node.stage),
+            replicas=self._partners,
+        )
+        self.screen = WeightScreen(
+            ScreenConfig(
+                multiple=self.config.screen_multiple,
+                window=self.config.screen_window,
+                warmup=self.config.screen_warmup,
+            )
         )
         self.ring = RingAllReduce(
             node.link,
@@ -76,6 +87,15 @@ class StageSync:
             step_timeout_s=self.config.ring_step_timeout_s,
             compute=self.runner.run,
         )
+
+    def _partners(self) -> list[PeerRecord]:
+        """Live replicas of our stage that gossip may pair with: banned ones are skipped."""
+        now = self.node.clock.now()
+        return [
+            p
+            for p in self.node.table.replicas(self.node.stage)
+            if not self.node.router.is_quarantined(p.peer_id, now)
+        ]
 
     # ---- incoming -----------------------------------------------------------------------
 
@@ -87,6 +107,11 @@ class StageSync:
     def on_ring_chunk(self, chunk: RingChunk) -> None:
         if self.method not in ("diloco", "allreduce"):
             raise Refused("no_ring", f"this replica synchronises with {self.method}, not a ring")
+        kind, stage, number = _parse_round_id(chunk.round_id)
+        if kind not in ("diloco", "dp") or not number.isdigit() or len(number) > 18:
+            raise Refused("bad_round_id", f"ring round id {chunk.round_id[:64]!r}", 400)
+        if stage != str(self.node.stage):
+            raise Refused("wrong_stage", f"ring round of stage {stage[:8]}, not {self.node.stage}")
         self.ring.deliver(chunk)
 
     # ---- rounds -------------------------------------------------------------------------
@@ -121,19 +146,14 @@ class StageSync:
         tensors, meta = await self.runner.run(self.runner.outer_contribution, self.config.codec)
         outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
         self.bytes_sent += _nbytes(tensors) * outcome.num_attempts
-        partner = None
-        if outcome.contribution is not None:
-            partner = (outcome.contribution.tensors, outcome.contribution.meta)
+        offer = None
+        if outcome.contribution is not None and outcome.partner_id is not None:
             self.bytes_received += _nbytes(outcome.contribution.tensors)
-        try:
-            spread = await self.runner.run(self.runner.apply_noloco, partner)
-        except ValueError as e:  # a partner's offer that does not fit or is not finite
-            self.rounds["rejected"] += 1
-            log.warning(
-                "noloco round %d: refused %s's offer (%s); solo step", round_, outcome.partner_id, e
-            )
-            spread = await self.runner.run(self.runner.apply_noloco, None)
-            outcome.partner_id = None
+            offer = await self._screened(outcome.partner_id, outcome.contribution)
+            if offer is None:
+                self.rounds["rejected"] += 1
+                outcome.partner_id = None
+        spread = await self.runner.run(self.runner.apply_noloco, offer)
         if spread is not None:
             self.spread_rms, self.last_partner = spread, outcome.partner_id
             self.spread_sum += spread
@@ -150,6 +170,22 @@ class StageSync:
             else "solo",
             f" (refusals {dict(outcome.refusals)})" if outcome.refusals else "",
         )
+
+    async def _screened(self, partner_id: str, contribution: Contribution) -> Offer | None:
+        """The partner's offer if it passes the screen; else None, and the partner is banned."""
+        try:
+            offer = await self.runner.run(
+                self.runner.decode_offer, (contribution.tensors, contribution.meta)
+            )
+        except ValueError as e:  # malformed, or does not fit this stage
+            self.node.guard.ban(partner_id, "gossip", "malformed", str(e))
+            return None
+        reason = self.screen.judge(offer.distance, offer.scale, offer.movement)
+        if reason is not None:
+            detail = self.screen.describe(offer.distance, offer.scale, offer.movement)
+            self.node.guard.ban(partner_id, "gossip", reason, detail)
+            return None
+        return offer
 
     def members(self) -> list[Hop]:
         me = Hop(self.node.stage, self.node.peer_id, self.node.address)
@@ -195,7 +231,7 @@ class StageSync:
         floors = {"diloco": self.runner.outer_rounds, "dp": self.runner.step}
 
         def keep(round_id: str) -> bool:
-            kind, _, number = round_id.rsplit(":", 2)
+            kind, _, number = _parse_round_id(round_id)
             return number.isdigit() and int(number) >= floors.get(kind, 0)
 
         self.ring.forget_stale(keep)
@@ -214,4 +250,11 @@ class StageSync:
             "spread_history": list(self.spread_history),
             "last_partner": self.last_partner,
             "in_progress": self._running,
+            "typical_distance": self.screen.typical(),
         }
+
+
+def _parse_round_id(round_id: str) -> tuple[str, str, str]:
+    """``(kind, stage, number)`` of a ring round id ``kind:stage:number`` (empty parts if not)."""
+    parts = round_id.split(":")
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 else ("", "", "")

@@ -1,10 +1,16 @@
 """HTTP transport: frames over aiohttp, client and server side.
 
 Owns how a message becomes an HTTP request or response: ``POST /rpc`` with one frame as
-the body, written straight from the frame's buffers (tensors from their own memory, no
-joined copy), and the reverse on receipt (the body is read once, after its declared length
-has been checked against the frame limit, and decoded into zero-copy tensor views).
+the body, written straight from the frame's buffers (tensors from their own memory; only a
+frame under 64 KiB is joined, into one write), and the reverse on receipt (the body is read
+once into one buffer of its declared length, after that length has been checked against the
+frame limit, and decoded into zero-copy tensor views).
 Implements ``swarm.seams.Transport``. Does not own what messages mean.
+
+In a keyed swarm (``protocol.auth``) every request carries an ``X-Murmur-Auth`` proof and
+every successful reply must carry one too: ``read_frame`` checks a request's body before it
+is decoded, ``sealed_response`` seals a reply, and frames of a megabyte or more are hashed
+on a worker thread (``digest_of``) so the event loop does not stall on a state transfer.
 
 Also keeps plain-number traffic statistics (``TrafficStats``: bytes by message kind, requests
 by outcome, a latency histogram per kind) for ``node.metrics`` to export at scrape time: the
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import payload, web
 
+from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
 from protocol.errors import FrameTooLarge, ProtocolError
 from protocol.frames import Limits, frame_nbytes
 from protocol.messages import Error, Message, decode_message, encode_message
@@ -31,6 +38,10 @@ from swarm.seams import TransportError
 
 CONTENT_TYPE = "application/x-murmuration-frame"
 RPC_PATH = "/rpc"
+SMALL_FRAME_BYTES = 1 << 16
+"""Frames up to this size are written as one joined buffer (see ``FramePayload.write``)."""
+LARGE_DIGEST_BYTES = 1 << 20
+"""Frames from this size on are hashed on a worker thread (hashlib releases the GIL)."""
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds of the request latency histogram: a loopback ack to a slow state transfer."""
@@ -95,14 +106,23 @@ def server_stats(app: web.Application) -> TrafficStats:
 
 
 class FramePayload(payload.Payload):
-    """An aiohttp body written buffer by buffer from a frame's parts."""
+    """An aiohttp body written from a frame's parts: buffer by buffer, or joined if small."""
 
     def __init__(self, buffers: Sequence[bytes | memoryview]) -> None:
         super().__init__(buffers, content_type=CONTENT_TYPE)
         self._buffers = buffers
         self._size = frame_nbytes(buffers)
 
+    @property
+    def buffers(self) -> Sequence[bytes | memoryview]:
+        return self._buffers
+
     async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        if self._size is not None and self._size <= SMALL_FRAME_BYTES:
+            # One write: written piece by piece, a small frame leaves as several TCP segments
+            # and the receiver wakes for each; joining costs less (bench/perf.py, latency).
+            await writer.write(b"".join(self._buffers))
+            return
         for buf in self._buffers:
             await writer.write(buf)
 
@@ -122,14 +142,35 @@ def frame_response(msg: Message, status: int = 200) -> web.Response:
     return web.Response(status=status, body=FramePayload(encode_message(msg)))
 
 
-async def read_frame(request: web.Request, limits: Limits) -> Message:
-    """Decode a request body, refusing an oversized one before reading it."""
+async def sealed_response(msg: Message, incoming: Incoming | None) -> web.Response:
+    """A successful reply, sealed in a keyed swarm for the request ``incoming`` admitted."""
+    if incoming is None:
+        return frame_response(msg)
+    buffers = encode_message(msg)
+    header = incoming.seal_reply(await digest_of(buffers))
+    return web.Response(body=FramePayload(buffers), headers={AUTH_HEADER: header})
+
+
+async def digest_of(buffers: Sequence[bytes | bytearray | memoryview]) -> bytes:
+    """SHA-256 of a frame (``protocol.auth.frame_digest``); a large one off the event loop."""
+    if sum(memoryview(b).nbytes for b in buffers) < LARGE_DIGEST_BYTES:
+        return frame_digest(buffers)
+    return await asyncio.to_thread(frame_digest, buffers)
+
+
+async def read_frame(
+    request: web.Request, limits: Limits, incoming: Incoming | None = None
+) -> Message:
+    """Decode a request body, refusing an oversized one before reading it and, in a keyed
+    swarm (``incoming``: the proof whose header passed), a forged one before decoding it."""
     declared = request.content_length
     if declared is not None and declared > limits.max_frame_bytes:
         raise FrameTooLarge(f"request declares {declared} bytes, limit is {limits.max_frame_bytes}")
-    body = await _read_bounded(request.content, limits.max_frame_bytes)
+    body = await _read_bounded(request.content, limits.max_frame_bytes, declared)
     stats = server_stats(request.app)
     try:
+        if incoming is not None:
+            incoming.verify(await digest_of([body]))
         msg = decode_message(body, limits)
     except ProtocolError:
         stats.received_bytes["invalid"] += len(body)
@@ -138,22 +179,47 @@ async def read_frame(request: web.Request, limits: Limits) -> Message:
     return msg
 
 
-async def _read_bounded(stream: aiohttp.StreamReader, max_bytes: int) -> bytes:
+async def _read_bounded(
+    stream: aiohttp.StreamReader, max_bytes: int, declared: int | None = None
+) -> bytes | bytearray:
+    """The whole body, refused once it passes ``max_bytes``.
+
+    A body that arrives in one chunk is returned as it is. A longer one with a declared
+    length is copied into one buffer of that length chunk by chunk as it arrives, each chunk
+    released at once: keeping them all and joining at the end holds twice the memory and, for
+    large frames, takes several times as long (every chunk is fresh, page-faulted memory;
+    ``bench/perf.py``, wire throughput).
+    """
+    if declared is not None and declared > max_bytes:
+        raise FrameTooLarge(f"body declares {declared} bytes, limit is {max_bytes}")
     chunks: list[bytes] = []
+    buf: bytearray | None = None
     total = 0
     async for chunk in stream.iter_any():
-        total += len(chunk)
-        if total > max_bytes:
+        end = total + len(chunk)
+        if end > max_bytes:
             raise FrameTooLarge(f"body exceeds the {max_bytes}-byte frame limit")
-        chunks.append(chunk)
+        if buf is not None:
+            buf[total:end] = chunk
+        elif declared is not None and total == 0 and end < declared:
+            buf = bytearray(declared)
+            buf[:end] = chunk
+        else:
+            chunks.append(chunk)
+        total = end
+    if buf is not None:
+        del buf[total:]  # a body cut short stays short: decoding reports it truncated
+        return buf
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class HttpTransport:
     """``Transport`` over HTTP/1.1 keep-alive connections (one pool per node)."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, auth: SwarmAuth | None = None) -> None:
         self.limits = limits
+        self.auth = auth
+        """Seals requests and checks replies in a keyed swarm; None in an open one."""
         self._session: aiohttp.ClientSession | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -189,10 +255,18 @@ class HttpTransport:
     ) -> Message:
         """POST one frame and decode the reply frame (an ``Error`` reply is returned)."""
         assert self._session is not None
+        sent = None
+        if self.auth is not None:
+            digest = await digest_of(body.buffers)
+            sent = self.auth.sign_request(address, "POST", RPC_PATH, digest, time.time())
+        headers = {AUTH_HEADER: sent.header} if sent is not None else None
+        url = f"http://{address}{RPC_PATH}"
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.post(f"http://{address}{RPC_PATH}", data=body) as resp:
-                    raw = await _read_bounded(resp.content, self.limits.max_frame_bytes)
+                async with self._session.post(url, data=body, headers=headers) as resp:
+                    raw = await _read_bounded(
+                        resp.content, self.limits.max_frame_bytes, resp.content_length
+                    )
         except TimeoutError:
             raise TransportError(
                 "timeout", f"{address} did not answer within {timeout_s:.1f}s"
@@ -205,7 +279,11 @@ class HttpTransport:
         self.bytes_received += len(raw)
         self.stats.sent_bytes[msg.TYPE] += body.size or 0
         try:
+            if sent is not None:  # a sealed reply is checked before it is decoded
+                sent.open_reply(resp.status, resp.headers.get(AUTH_HEADER), await digest_of([raw]))
             reply = decode_message(raw, self.limits)
+            if sent is not None:
+                sent.check_reply(reply)
         except ProtocolError as e:
             self.stats.received_bytes["invalid"] += len(raw)
             raise TransportError(

@@ -58,6 +58,8 @@ class PeerRecord:
     """Step of the head stage's weights this peer keeps a copy of (CheckFree+), 0 for none."""
     data_shard: int = -1
     """The train shard a head-stage peer reads (-1: not a head, or not chosen yet)."""
+    movable: bool = False
+    """True for a ``--stage auto`` block-stage peer that rebalancing may move."""
 
 
 @dataclass(frozen=True)
@@ -272,8 +274,20 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """``cls``'s resolved field types, once per class: resolving the string annotations on
+    every decode took most of a small message's decoding time (``bench/perf.py``)."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
 def _from_fields(cls: type[M], fields: Mapping[str, Any], tensors: _Tensors) -> M:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for f in _wire_fields(cls):
         if f.name in fields:
@@ -320,7 +334,7 @@ def _check(value: Any, hint: Any, where: str) -> Any:
 
 
 def _from_record(cls: Any, value: Mapping[str, Any], where: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in value:

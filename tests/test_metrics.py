@@ -65,6 +65,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_job_errors": ("counter", set()),
     "murmur_send_errors": ("counter", set()),
     "murmur_non_finite_loss": ("counter", set()),
+    "murmur_peers_banned": ("counter", set()),
+    "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_stage_replicas": ("gauge", {"stage"}),
     "murmur_stage_throughput_samples_per_second": ("gauge", {"stage"}),
@@ -88,6 +90,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_recovery_duration_seconds": ("summary", set()),
     "murmur_recovery_source_weight": ("gauge", {"source_stage"}),
     "murmur_stages_empty": ("gauge", set()),
+    "murmur_balance_moves": ("counter", set()),
+    "murmur_balance_own_block_rate": ("gauge", set()),
     "murmur_wire_bytes": ("counter", {"direction", "kind"}),
     "murmur_requests": ("counter", {"kind", "outcome"}),
     "murmur_request_duration_seconds": ("histogram", {"kind"}),
@@ -134,6 +138,8 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "send_failed_timeout": 2,
             "hop_retries": 4,
             "brand_new_counter": 7,
+            "weights_refused:gossip:too_far": 2,
+            "peers_banned": 1,
         },
         "peers": {
             "0": [],
@@ -174,6 +180,14 @@ def head_status(**changes: Any) -> dict[str, Any]:
                 "sources": [{"stage": 1, "weight": 0.25}, {"stage": 3, "weight": 0.75}],
             },
             "empty_stages": [],
+        },
+        "balance": {
+            "policy": "throughput",
+            "own_block_rate": 812.5,
+            "movable": False,
+            "moves": 2,
+            "last_move_age_s": 30.0,
+            "plan": None,
         },
     }
     st.update(changes)
@@ -259,6 +273,8 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_rejected_requests_total", code="busy") == 3
     assert one("murmur_send_failures_total", code="timeout") == 2
     assert one("murmur_events_total", event="brand_new_counter") == 7
+    assert one("murmur_weights_refused_total", source="gossip", reason="too_far") == 2
+    assert one("murmur_peers_banned_total") == 1
     assert one("murmur_hops_dropped_total") == 0
     # per stage: peers in the table; ready replicas and capacity count this node in
     assert one("murmur_peers_known", stage="1") == 2

@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from node.cli import fetch_status
+from node.data import shard_of
 from node.demo import LocalSwarm, request_eval, wait_ready
+from node.identity import IDENTITY_FILE
+from protocol.auth import Identity
 from protocol.frames import encode_frame, join_frame
 from protocol.messages import Error, Forward, Hop, decode_message, encode_message
 from protocol.quant import encode_tensor
@@ -170,17 +173,25 @@ def test_bad_input_is_refused_counted_and_training_goes_on(swarm: Any) -> None:
     s = swarm()
     head, s1, *_ = start(s, [0, 1, 2, 3])
     wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 3, 90, "training")
-    path = [Hop(0, "ffffffffffffffff", "127.0.0.1:9")]
+    path = [Hop(0, fetch_status(head)["peer_id"], head)]  # a peer s1 knows
 
-    def forward(h: torch.Tensor, stage: int = 1) -> bytes:
+    def forward(h: torch.Tensor, stage: int = 1, mb_id: str = "x", sender: str = "") -> bytes:
         tensors, meta = encode_tensor(h, "fp32", name="h")
+        hops = [Hop(0, sender, "127.0.0.1:9")] if sender else path
         return join_frame(
             encode_message(
                 Forward(
-                    mb_id="x", target_stage=stage, path=path, eval=True, meta=meta, tensors=tensors
+                    mb_id=mb_id,
+                    target_stage=stage,
+                    path=hops,
+                    eval=True,
+                    meta=meta,
+                    tensors=tensors,
                 )
             )
         )
+
+    assert post_frame(s1, forward(torch.zeros(1, 4, 128), mb_id="dup"))[0] == 200
 
     cases = {
         b"GET / HTTP/1.0 garbage garbage": "bad_magic",
@@ -190,6 +201,8 @@ def test_bad_input_is_refused_counted_and_training_goes_on(swarm: Any) -> None:
         forward(torch.full((1, 4, 128), float("nan"))): "non_finite",
         forward(torch.zeros(1, 4, 64)): "bad_shape",
         forward(torch.zeros(1, 4, 128), stage=2): "wrong_stage",
+        forward(torch.zeros(1, 4, 128), mb_id="dup"): "duplicate_microbatch",
+        forward(torch.zeros(1, 4, 128), sender="ffffffffffffffff"): "unknown_peer",
     }
     for body, code in cases.items():
         status, reply = post_frame(s1, body)
@@ -215,10 +228,10 @@ def test_stage_auto_fills_empty_stages_and_data_flag_is_used(swarm: Any, tmp_pat
     ]
     corpus.write_text("\n".join(lines) + "\n")
     s = swarm()
-    ids = {"h1": "0000000000000001", "h2": "0000000200000002"}  # both prefer shard 0 of 2
-    for name, peer_id in ids.items():
+    for name in ("h1", "h2"):  # identities whose peer ids both prefer shard 0 of 2
+        identity = next(i for i in iter(Identity.generate, None) if shard_of(i.peer_id, 2) == 0)
         (tmp_path / name).mkdir()
-        (tmp_path / name / "peer_id").write_text(peer_id + "\n")
+        (tmp_path / name / IDENTITY_FILE).write_bytes(identity.to_pem())
     head_args = ["--data", str(corpus), "--set", "data.num_shards=2"]
     head = s.start_node(0, extra=[*head_args, "--state-dir", str(tmp_path / "h1")])
     wait_ready(head, 90, s)
