@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bench.perf_pipeline import runner_step
 from node.config import Config, resolve_config
 from node.data import open_dataset
 from node.model import BlockStage, HeadStage, build_stage
@@ -120,13 +121,7 @@ def train_with_codec(codec: str, num_microbatches: int, seed: int = 0) -> dict[s
             continue
         for stage, opt in zip(stages, opts, strict=True):  # each stage steps alone, as a runner
             params = [p for p in stage.parameters() if p.grad is not None]
-            for p in params:
-                p.grad.div_(acc_microbatches)  # type: ignore[union-attr]
-            torch.nn.utils.clip_grad_norm_(params, train.clip_norm)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, train)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            runner_step(params, opt, acc_microbatches, step, train)
         step += 1
         acc_samples = acc_microbatches = 0
     return {

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from node.cli import fetch_status
-from node.config import Config, resolve_config
+from node.config import Config, TrainConfig, resolve_config
 from node.data import open_dataset
 from node.demo import LocalSwarm, wait_ready
 from node.model import build_model
@@ -64,6 +64,25 @@ def _say(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- one process
+
+
+def runner_step(
+    params: list[torch.nn.Parameter],
+    opt: torch.optim.Optimizer,
+    microbatches: int,
+    step: int,
+    train: TrainConfig,
+) -> None:
+    """One optimizer step as ``StageRunner`` takes it: mean over the accumulated
+    microbatches, global-norm clipping, the scheduled learning rate."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(microbatches)
+    torch.nn.utils.clip_grad_norm_(params, train.clip_norm)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, train)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def train_single(threads: int, seconds: float, warmup_s: float) -> dict[str, Any]:
@@ -91,14 +110,7 @@ def train_single(threads: int, seconds: float, warmup_s: float) -> dict[str, Any
         acc_samples += ids.shape[0]
         acc_microbatches += 1
         if acc_samples >= train.step_samples:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(acc_microbatches)
-            torch.nn.utils.clip_grad_norm_(params, train.clip_norm)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, train)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            runner_step(params, opt, acc_microbatches, step, train)
             step += 1
             acc_samples = acc_microbatches = 0
     assert t0 is not None and cpu0 is not None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
+
+from node.demo import LocalSwarm
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
@@ -23,3 +26,16 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: f
             last = e
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
+
+
+def kill_nodes(s: LocalSwarm, addresses: list[str]) -> None:
+    """SIGKILL the nodes at these addresses and forget them (an intended death, not a
+    failure that ``LocalSwarm.dead`` should report)."""
+    ports = {a.rsplit(":", 1)[1] for a in addresses}
+    for entry in list(s.procs):
+        name, proc, log = entry
+        if name.rsplit("-", 1)[1] in ports:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            log.close()
+            s.procs.remove(entry)

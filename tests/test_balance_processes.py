@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, wait_ready
-from tests.helpers import wait_for
+from tests.helpers import kill_nodes, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -63,14 +62,7 @@ def test_six_auto_nodes_spread_evenly_and_refill_a_killed_stage(tmp_path: Path) 
         # kill both replicas of stage 2: the swarm refills it and trains on
         victims = [a for a in autos if fetch_status(a)["stage"] == 2]
         assert len(victims) == 2
-        ports = {a.rsplit(":", 1)[1] for a in victims}
-        for entry in list(s.procs):
-            name, proc, log = entry
-            if name.rsplit("-", 1)[1] in ports:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                log.close()
-                s.procs.remove(entry)
+        kill_nodes(s, victims)
         survivors = [a for a in autos if a not in victims]
         step = fetch_status(head)["step"]
         wait_for(lambda: stages(survivors)[2] >= 1, 90, "stage 2 refilled")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, request_eval, wait_ready
-from tests.helpers import wait_for
+from tests.helpers import kill_nodes, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -23,18 +22,6 @@ BASE = {
     "recovery.refill_wait_s": "3",
     "sync.method": "none",
 }
-
-
-def kill_stage(s: LocalSwarm, addresses: list[str]) -> None:
-    """SIGKILL these nodes and forget them (their death is intended, not a failure)."""
-    ports = {a.rsplit(":", 1)[1] for a in addresses}
-    for entry in list(s.procs):
-        name, proc, log = entry
-        if name.rsplit("-", 1)[1] in ports:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            log.close()
-            s.procs.remove(entry)
 
 
 def recovered(addresses: list[str], kind: str) -> str | None:
@@ -60,7 +47,7 @@ def run_failure(
         wait_for(lambda: fetch_status(head)["step"] >= 60, 200, "60 head steps")
         before = request_eval(head)
         victims = [a for a, stage in zip(addresses, plan, strict=True) if stage == lost]
-        kill_stage(s, victims)
+        kill_nodes(s, victims)
         step_at_kill = fetch_status(head)["step"]
         survivors = [a for a in addresses if a not in victims]
         wait_for(
@@ -116,7 +103,7 @@ def test_checkpoint_restart_reloads_the_lost_stage_and_rolls_everyone_back(tmp_p
             wait_ready(a, 90, s)
         head = addresses[0]
         wait_for(lambda: fetch_status(head)["step"] >= 30, 200, "30 head steps")
-        kill_stage(s, [addresses[3]])
+        kill_nodes(s, [addresses[3]])
         survivors = [a for a in addresses if a != addresses[3]]
         wait_for(lambda: recovered(survivors, "checkpoint") is not None, 90, "a checkpoint restart")
         wait_for(lambda: recovered([head], "rollback") is not None, 30, "the head's rollback")
@@ -153,7 +140,7 @@ def test_lost_head_stage_is_restored_from_stage_one_backups_under_checkfree_plus
             "head backups",
         )
         before = request_eval(head)
-        kill_stage(s, [head])
+        kill_nodes(s, [head])
         time.sleep(float(BASE["membership.ttl_s"]) + 1.5)  # the dead head expires from the tables
         s.addresses.remove(head)  # new nodes bootstrap from a survivor
         s.addresses.insert(0, addresses[1])
