@@ -79,7 +79,9 @@ class Offer:
     scale: float
     """RMS of our own fast weights."""
     movement: float
-    """RMS of our own pseudo-gradient: how far we moved since our last outer step."""
+    """How far we moved since we last averaged with a partner (RMS), over every solo round
+    since: an honest partner apart as long (a partition, a long solo stretch) drifted about
+    as far, so the screen must allow that much."""
 
 
 @dataclass
@@ -115,6 +117,7 @@ class StageRunner:
         self.outer_rounds = 0
         self.lr_scale = 1.0
         self.phi = torch.empty(0)
+        self.anchor = torch.empty(0)
         self.outer_m = torch.empty(0)
         self._saved: dict[str, _Saved] = {}
         self.thermo = Thermometers()
@@ -293,6 +296,7 @@ class StageRunner:
     def _init_outer(self) -> None:
         self.phi = parameters_to_vector(self.module.parameters()).detach().clone()
         self.outer_m = torch.zeros_like(self.phi)
+        self.anchor = self.phi.clone()  # our weights when we last averaged with a partner
 
     def outer_contribution(self, codec: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This replica's NoLoCo offer: slow weights and pseudo-gradient, encoded."""
@@ -325,7 +329,7 @@ class StageRunner:
         distance = rms_distance(phi_j + d_j, theta) if finite else math.nan
         zeros = torch.zeros_like(theta)
         return Offer(
-            phi_j, d_j, distance, rms_distance(theta, zeros), rms_distance(theta - self.phi, zeros)
+            phi_j, d_j, distance, rms_distance(theta, zeros), rms_distance(theta, self.anchor)
         )
 
     def apply_noloco(self, offer: Offer | None) -> float | None:
@@ -337,6 +341,8 @@ class StageRunner:
         theta = parameters_to_vector(self.module.parameters()).detach()
         noloco_outer_step(theta, self.phi, self.outer_m, partners, self.noloco)
         vector_to_parameters(theta, self.module.parameters())
+        if offer is not None:
+            self.anchor = theta.clone()
         return spread
 
     def outer_delta(self) -> torch.Tensor:
@@ -478,6 +484,7 @@ class StageRunner:
         if phi is not None and m is not None and phi.shape == m.shape == self.phi.shape:
             self.phi = phi.to(self.device, torch.float32).clone()
             self.outer_m = m.to(self.device, torch.float32).clone()
+            self.anchor = parameters_to_vector(self.module.parameters()).detach().clone()
         else:
             self._init_outer()
         self.step, self.samples = step, samples

@@ -12,16 +12,14 @@ would wreck every replica it pairs with. This module owns the rule that says no:
   ``window`` distances this screen accepted; until ``warmup`` distances have been accepted
   (and for a screen with no history, such as a one-off recovery source) it is the RMS of
   this replica's own weights instead, a scale no honest replica of the stage is anywhere
-  near. The reference is never less than how far this replica itself moved since its last
-  outer step (the RMS of its own pseudo-gradient): an honest partner trained as long at
-  the same learning rate moves about as far, so a learning-rate warm-up, or replicas that
-  drifted apart over a few solo rounds, do not make honest partners look far. Nor is it
-  less than ``floor`` (5 %) times the weight scale: with the default multiple nothing
-  closer than half the weights' own RMS is ever refused. Replicas that were apart for a
-  while (a network partition, a long solo stretch) drift honestly to many times their
-  usual distance, and a tight relative rule would ban every twin for good after the heal;
-  the weights' own scale is what crude poisoning (NaN, scaled weights) always exceeds.
-  Subtler poisoning below that bound is not caught (SECURITY.md);
+  near. The reference is never less than how far this replica itself moved since it last
+  averaged with a partner (over all the solo rounds since): an honest partner apart as long
+  at the same learning rate moved about as far, so a learning-rate warm-up, a long solo
+  stretch or a network partition (twins 30 s apart came back 19x their usual distance in
+  the partition test) do not make honest partners look far. Nor is it less than ``floor``
+  (5 %) times the weight scale: with the default multiple nothing closer than half the
+  weights' own RMS is ever refused, while crude poisoning (NaN, scaled weights) always is.
+  Subtler poisoning below these bounds is not caught (SECURITY.md);
 - a distance above ``multiple`` times the reference is refused (``multiple`` 0 turns this
   part off; non-finite weights are refused regardless).
 
@@ -76,7 +74,8 @@ class WeightScreen:
 
     def reference(self, scale: float, movement: float = 0.0) -> float:
         """The distance a refusal is measured against. ``scale``: RMS of our own weights;
-        ``movement``: how far we moved since our last outer step (0 if not applicable)."""
+        ``movement``: how far we moved since we last averaged with a partner (0 if not
+        applicable)."""
         typical = self.typical()
         base = scale if typical is None else typical
         return max(base, movement, self.config.floor * scale)

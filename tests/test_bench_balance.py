@@ -23,7 +23,8 @@ def test_best_bottleneck_tries_every_placement() -> None:
 @pytest.mark.timeout(300)
 def test_balance_benchmark_quick_run_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "balance.json"
-    assert main(["--quick", "--policies", "throughput", "--out", str(out), "--no-plot"]) == 0
+    assert main(["--quick", "--policies", "throughput", "--out", str(out)]) == 0
+    assert out.with_suffix(".png").stat().st_size > 0
     result = json.loads(out.read_text())
     run = result["policies"]["throughput"]
     assert run["tokens_per_s"] > 0 and run["ideal_tokens_per_s"] > 0
