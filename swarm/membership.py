@@ -184,7 +184,7 @@ class MembershipService:
         if self.table.observe(sender, now):
             log.info("peer %s joined: stage %d at %s", sender.peer_id[:8], sender.stage, address)
         for record in peers:
-            if self.table.observe(record, now, record.age_s):
+            if self.table.observe(record, now, record.age_s, relayed=True):
                 log.info(
                     "learned of peer %s: stage %d at %s via %s",
                     record.peer_id[:8],

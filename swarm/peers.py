@@ -30,15 +30,28 @@ class PeerTable:
         self._entries: dict[str, _Entry] = {}
         self._left: dict[str, float] = {}
 
-    def observe(self, record: PeerRecord, now: float, age_s: float = 0.0) -> bool:
-        """Take a record heard ``age_s`` seconds ago; returns True if the peer is new to us."""
+    def observe(
+        self, record: PeerRecord, now: float, age_s: float = 0.0, *, relayed: bool = False
+    ) -> bool:
+        """Take a record heard ``age_s`` seconds ago, from the peer itself or ``relayed`` by
+        another; returns True if the peer is new to us.
+
+        A peer on its way out (``leaving``) is never added, only marked. A peer that said
+        goodbye comes back only by contacting us itself, not leaving, after the goodbye: a
+        relay may carry news from just before the goodbye, dated late by its transit time.
+        """
         if record.peer_id == self.self_id:
             return False
         seen = now - max(0.0, age_s)
-        if seen <= self._left.get(record.peer_id, float("-inf")) or now - seen > self.ttl_s:
+        if now - seen > self.ttl_s:
+            return False
+        left = self._left.get(record.peer_id)
+        if left is not None and (relayed or record.leaving or seen <= left):
             return False
         entry = self._entries.get(record.peer_id)
         if entry is None:
+            if record.leaving:
+                return False
             self._entries[record.peer_id] = _Entry(record, seen)
             return True
         if seen >= entry.last_seen:

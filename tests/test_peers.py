@@ -69,10 +69,32 @@ def test_leave_tombstone_blocks_stale_relays() -> None:
     assert t.observe(rec("a"), now=7.0) is True  # it came back: direct contact after leaving
 
 
+def test_a_leaver_draining_or_relayed_does_not_come_back() -> None:
+    t = PeerTable("me", ttl_s=60)
+    t.observe(rec("a"), now=0.0)
+    t.remove("a", now=5.0)
+    # while it drains it still answers heartbeats, saying it is leaving
+    assert t.observe(rec("a", leaving=True), now=5.5) is False
+    # a relay dated after the goodbye (transit time) is not proof it came back
+    assert t.observe(rec("a"), now=6.0, age_s=0.5, relayed=True) is False
+    assert "a" not in t
+    assert t.observe(rec("a"), now=7.0) is True
+
+
+def test_a_leaving_peer_is_marked_but_never_added() -> None:
+    t = PeerTable("me", ttl_s=60)
+    assert t.observe(rec("b", leaving=True), now=0.0) is False
+    assert "b" not in t
+    t.observe(rec("a"), now=0.0)
+    t.observe(rec("a", leaving=True), now=1.0)
+    assert t.get("a") is not None and t.get("a").leaving
+
+
 def test_replicas_and_stage_counts() -> None:
     t = PeerTable("me", ttl_s=10)
     t.observe(rec("a", stage=1), 0.0)
     t.observe(rec("b", stage=1, ready=False), 0.0)
+    t.observe(rec("c", stage=2), 0.0)
     t.observe(rec("c", stage=2, leaving=True), 0.0)
     t.observe(rec("d", stage=-1, ready=False), 0.0)
     assert [r.peer_id for r in t.replicas(1)] == ["a"]
