@@ -7,8 +7,12 @@ never runs torch code and torch never sees two threads.
 
 Asynchronous pipelines step the optimizer while other microbatches are still in flight
 (SWARM, arXiv 2301.11913, section 3). A saved autograd graph is only valid for the weights
-it was built with, so a backward that arrives after an optimizer step recomputes its
-forward from the saved input first; one that arrives before uses the saved graph.
+it was built with, so the runner stashes them (PipeDream's weight stashing, arXiv
+1806.03377, section 3.3): the forward's graph refers to parameters through
+``saved_tensors_hooks``, and before any change to the weights (an optimizer or outer step,
+adopted weights) that a live graph still refers to, their storage is copied once. A
+backward then uses its own forward's weights, as the stages downstream did, and costs no
+recomputation.
 Gradients from every microbatch are accumulated until ``step_samples`` samples, averaged
 per microbatch, clipped to ``clip_norm`` and applied.
 
@@ -62,9 +66,21 @@ class _Saved:
     """What a block stage keeps of one microbatch until its gradient comes back."""
 
     x: torch.Tensor
-    out: torch.Tensor | None
-    step: int
+    out: torch.Tensor
+    epoch: int
+    """The weights' epoch the graph was built with (see ``StageRunner._weights_change``)."""
     created_s: float
+
+
+@dataclass(frozen=True)
+class _ParamRef:
+    """A saved tensor that lives in a parameter's storage, as the forward's graph keeps it."""
+
+    tensor: torch.Tensor
+    storage: int
+    view: tuple[int, tuple[int, ...], tuple[int, ...]]
+    """Offset, size and stride in that storage, as at the forward (``.data`` may be swapped)."""
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,10 @@ class StageRunner:
         self.anchor = torch.empty(0)
         self.outer_m = torch.empty(0)
         self._saved: dict[str, _Saved] = {}
+        self._epoch = 0
+        self._stash: dict[int, dict[int, torch.UntypedStorage]] = {}
+        """Per weights' epoch still used by a saved graph: copies of the parameter storages."""
+        self._param_storages: set[int] = set()
         self.thermo = Thermometers()
         self.delay_s = compute_delay(config, stage)
         self.compute_s = 0.0
@@ -165,9 +185,13 @@ class StageRunner:
                 out = self.module(x).float()
         else:
             x.requires_grad_(True)
-            with self._autocast():
+            self._param_storages = {
+                p.untyped_storage().data_ptr() for p in self.module.parameters()
+            }
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            with self._autocast(), hooks:
                 out = self.module(x).float()
-            self._saved[mb_id] = _Saved(x, out, self.step, time.monotonic())
+            self._saved[mb_id] = _Saved(x, out, self._epoch, time.monotonic())
         self._observe_activations(out)
         self._account(t0, 0)
         return out.detach()
@@ -176,12 +200,9 @@ class StageRunner:
         """Gradient w.r.t. the input of ``mb_id``; accumulates parameter gradients."""
         t0 = time.perf_counter()
         saved = self._saved.pop(mb_id)
-        x, out = saved.x, saved.out
-        if out is None or saved.step != self.step:
-            x = x.detach().requires_grad_(True)
-            with self._autocast():
-                out = self.module(x).float()
-        out.backward(grad_out.to(self.device, torch.float32))
+        x = saved.x
+        saved.out.backward(grad_out.to(self.device, torch.float32))
+        self._drop_unused_stash()
         assert x.grad is not None
         self._accumulate(x.shape[0])
         self._account(t0, x.shape[0])
@@ -195,7 +216,45 @@ class StageRunner:
         old = [k for k, s in self._saved.items() if now - s.created_s > self.train.activation_ttl_s]
         for k in old:
             del self._saved[k]
+        self._drop_unused_stash()
         return len(old)
+
+    # ---- weight stashing ----------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        """Saved-tensor hook: remember which weights' epoch a parameter (or a view) came from."""
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_storages:
+            view = (int(t.storage_offset()), tuple(t.size()), tuple(t.stride()))
+            return _ParamRef(t, ptr, view, self._epoch)
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        """The saved tensor as it was at the forward: from the stash if the weights changed."""
+        if not isinstance(packed, _ParamRef):
+            return packed
+        t = packed.tensor
+        if packed.epoch == self._epoch:
+            return t
+        storage = self._stash[packed.epoch][packed.storage]
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, *packed.view)
+
+    def _weights_change(self) -> None:
+        """Call before changing the weights: stash them if a saved graph still refers to them."""
+        if any(s.epoch == self._epoch for s in self._saved.values()):
+            copies: dict[int, torch.UntypedStorage] = {}
+            for p in self.module.parameters():  # after an outer step they share one storage
+                ptr = p.untyped_storage().data_ptr()
+                if ptr not in copies:
+                    copies[ptr] = p.detach().untyped_storage().clone()
+            self._stash[self._epoch] = copies
+        self._epoch += 1
+
+    def _drop_unused_stash(self) -> None:
+        if self._stash:
+            live = {s.epoch for s in self._saved.values()}
+            for epoch in [e for e in self._stash if e not in live]:
+                del self._stash[epoch]
 
     # ---- the head stage -----------------------------------------------------------------
 
@@ -284,6 +343,7 @@ class StageRunner:
         self.thermo.grad_norm = min(float(norm), self.train.clip_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.train) * self.lr_scale
+        self._weights_change()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if kept is not None:
@@ -340,6 +400,7 @@ class StageRunner:
             partners.append((offer.delta, offer.phi))
         theta = parameters_to_vector(self.module.parameters()).detach()
         noloco_outer_step(theta, self.phi, self.outer_m, partners, self.noloco)
+        self._weights_change()
         vector_to_parameters(theta, self.module.parameters())
         if offer is not None:
             self.anchor = theta.clone()
@@ -354,6 +415,7 @@ class StageRunner:
         diloco_outer_step(
             theta, self.phi, self.outer_m, delta_mean.to(self.phi.device), self.diloco
         )
+        self._weights_change()
         vector_to_parameters(theta, self.module.parameters())
 
     def apply_grads(self, flat_grads: torch.Tensor) -> None:
@@ -439,6 +501,7 @@ class StageRunner:
         for k, v in params.items():
             if v.shape != own[k].shape or not torch.isfinite(v).all():
                 raise ValueError(f"rebuilt tensor {k} has the wrong shape or is not finite")
+        self._weights_change()
         self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
         self.optimizer = torch.optim.Adam(
             self.module.parameters(),
@@ -470,6 +533,7 @@ class StageRunner:
                 )
             if not torch.isfinite(v).all():
                 raise ValueError(f"state tensor {k} is not finite")
+        self._weights_change()
         self.module.load_state_dict({k: v.clone() for k, v in params.items()})
         for name, p in self.module.named_parameters():
             m = tensors.get(f"adam_m.{name}")

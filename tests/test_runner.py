@@ -1,4 +1,4 @@
-"""The stage runner's maths: schedule, accumulation, stale-graph recompute, state transfer."""
+"""The stage runner's maths: schedule, accumulation, weight stashing, state transfer."""
 
 import copy
 import math
@@ -47,18 +47,58 @@ def test_block_backward_matches_autograd_and_steps_after_step_samples() -> None:
     assert 0 < r.thermo.grad_norm <= 1.0
 
 
-def test_backward_after_a_step_recomputes_with_current_weights() -> None:
+def _grads_with(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple:
+    """Input gradient and parameter gradients of ``module`` (a copy) for ``x`` and ``g``."""
+    m = copy.deepcopy(module)
+    xr = x.clone().requires_grad_(True)
+    m(xr).backward(g)
+    return xr.grad, [p.grad.clone() for p in m.parameters()]
+
+
+def test_backward_after_a_step_uses_the_forwards_own_weights() -> None:
+    r = runner(1, step_samples="2")
+    x, g = torch.randn(1, 8, 128), torch.randn(1, 8, 128)  # one sample: it will not step
+    want_in, want_params = _grads_with(r.module, x, g)  # the weights "old" saw
+    r.block_forward("old", x, train=True)
+    r.block_forward("new", torch.randn(2, 8, 128), train=True)
+    r.block_backward("new", torch.randn(2, 8, 128))  # steps: "old"'s weights are stashed
+    assert r.step == 1 and len(r._stash) == 1
+    now_in, _ = _grads_with(r.module, x, g)
+    assert not torch.allclose(now_in, want_in, atol=1e-4)  # the step did change the weights
+    gin = r.block_backward("old", g)  # must not raise the in-place modification error
+    assert torch.allclose(gin, want_in, atol=1e-5)
+    for p, want in zip(r.module.parameters(), want_params, strict=True):
+        assert torch.allclose(p.grad, want, atol=1e-5)
+    assert r._stash == {}  # no graph refers to the old weights any more
+
+
+def test_stash_survives_an_outer_step_and_is_freed_by_expiry() -> None:
     r = runner(1, step_samples="2")
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
-    r.block_forward("old", x, train=True)
-    r.block_forward("new", x, train=True)
-    r.block_backward("new", g)  # steps the optimizer: "old"'s saved graph is now stale
-    assert r.step == 1
-    current = copy.deepcopy(r.module)
-    gin = r.block_backward("old", g)  # must not raise the in-place modification error
-    xr = x.clone().requires_grad_(True)
-    current(xr).backward(g)
-    assert torch.allclose(gin, xr.grad, atol=1e-5)  # type: ignore[arg-type]
+    want_in, _ = _grads_with(r.module, x, g)
+    r.block_forward("a", x, train=True)
+    theta = torch.nn.utils.parameters_to_vector(r.module.parameters()).detach()
+    r._weights_change()  # an outer step replaces the weights' storage with one flat vector
+    torch.nn.utils.vector_to_parameters(theta + 0.1, r.module.parameters())
+    r.block_forward("b", x, train=True)  # built on the new, shared storage
+    r._weights_change()
+    with torch.no_grad():
+        for p in r.module.parameters():
+            p.mul_(0.5)  # and an in-place change to that
+    assert len(r._stash) == 2
+    assert torch.allclose(r.block_backward("a", g), want_in, atol=1e-5)
+    assert len(r._stash) == 1
+    saved_at = r._saved["b"].created_s
+    assert r.expire_saved(saved_at + r.train.activation_ttl_s + 1) == 1
+    assert r._stash == {}
+
+
+def test_no_stash_when_no_graph_is_waiting() -> None:
+    r = runner(1, step_samples="2")
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    r.block_forward("a", x, train=True)
+    r.block_backward("a", g)
+    assert r.step == 1 and r._stash == {}
 
 
 def test_eval_forward_saves_nothing_and_ttl_expires() -> None:
