@@ -12,7 +12,9 @@ Serves, on 127.0.0.1 and on the event loop the daemon uses (``node.cli.asyncio_r
 - a raw TCP port: an 8-byte little-endian length, then that many bytes read with
   ``recv_into`` into one preallocated buffer, then a 1-byte reply (the ceiling).
 
-Prints one JSON line with its two ports, then serves until its stdin closes.
+Sets the allocator as the daemon does (``node/allocator.py``), unless the environment says
+``MURMUR_MALLOC_REUSE=0``. Prints one JSON line with its two ports, then serves until its
+stdin closes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 import torch
 from aiohttp import web
 
+from node.allocator import reuse_freed_memory
 from node.cli import asyncio_run
 from node.transport import RPC_PATH, frame_response, read_frame
 from protocol.errors import ProtocolError
@@ -106,7 +109,9 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--check-max-bytes", type=int, default=1 << 20)
-    asyncio_run(serve(p.parse_args()))
+    args = p.parse_args()
+    reuse_freed_memory()  # as ``node join`` does at start-up
+    asyncio_run(serve(args))
 
 
 if __name__ == "__main__":

@@ -226,9 +226,11 @@ def _cmd_join(args: argparse.Namespace) -> int:
         from node.export import check_init_dir
 
         check_init_dir(config.node.init_dir, config.model)  # a clear error before joining
+    from node.allocator import reuse_freed_memory
     from node.logs import setup_logging
 
     setup_logging(config.node.log_level)
+    reuse_freed_memory()
     asyncio_run(_serve(config))
     return 0
 
