@@ -12,7 +12,8 @@ What a real network adds: every member must agree on the member list (each chunk
 a hash of it, and a mismatch aborts the round), a chunk may arrive before its receiver has
 started the round (it waits in a mailbox), and a member may die mid-ring: every wait has a
 deadline, and the round then fails with ``RingFailed`` so the caller can take its defined
-fallback (a solo step). Chunk arithmetic runs through the ``compute`` seam (the daemon's
+fallback (a solo step). A member sends its chunk of a step and waits for its neighbour's at
+the same time. Chunk arithmetic runs through the ``compute`` seam (the daemon's
 compute thread), never on the event loop.
 """
 
@@ -143,8 +144,7 @@ class RingAllReduce:
                     meta=meta,
                     tensors=tensors,
                 )
-                await self._send(right, msg)
-                got = await self._receive(rnd, phase, step)
+                got = await self._exchange(rnd, right, msg)
                 r0, r1 = bounds[recv_i]
                 combine = work[r0:r1].add_ if phase == "reduce" else work[r0:r1].copy_
                 await self.compute(partial(combine, got))
@@ -152,6 +152,22 @@ class RingAllReduce:
             return work
         finally:
             self._rounds.pop(round_id, None)
+
+    async def _exchange(self, rnd: _Round, right: Hop, msg: RingChunk) -> torch.Tensor:
+        """Send our chunk of this step while waiting for our left neighbour's: one step costs
+        the slower of the two, not their sum. The first failure of either ends the round."""
+        send = asyncio.ensure_future(self._send(right, msg))
+        receive = asyncio.ensure_future(self._receive(rnd, msg.phase, msg.step))
+        try:
+            await asyncio.wait({send, receive}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (send, receive):
+                if task.done():
+                    task.result()  # raises the RingFailed that ended the wait, if any
+            await send
+            return await receive
+        finally:
+            for task in (send, receive):
+                task.cancel()
 
     async def _send(self, hop: Hop, msg: RingChunk) -> None:
         try:
