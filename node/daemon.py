@@ -110,7 +110,7 @@ class Node:
             self.link = ShapedTransport(
                 self.transport, net.inject_latency_s, net.inject_bandwidth_mbps * 125_000 or None
             )
-        self.table = PeerTable(self.peer_id, config.membership.ttl_s)
+        self.table = PeerTable(self.peer_id, config.membership.ttl_s, config.membership.max_peers)
         self.router = Router(self.rng)
         self.membership = MembershipService(
             config.membership,
@@ -197,7 +197,7 @@ class Node:
             "grad_norm": r.thermo.grad_norm if r else 0.0,
             "act_max": r.thermo.act_max if r else 0.0,
             "act_min": r.thermo.act_min if r else 0.0,
-            "counters": dict(self.counters),
+            "counters": self._counters_with_table(),
             "peers": peers,
         }
         if self.sync is not None:
@@ -206,6 +206,12 @@ class Node:
         out["balance"] = self.balancer.status()
         if self.trainer is not None:
             out.update(self.trainer.status())
+        return out
+
+    def _counters_with_table(self) -> dict[str, int]:
+        out = dict(self.counters)
+        if self.table.num_refused_full:
+            out["peers_refused_table_full"] = self.table.num_refused_full
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -57,6 +57,10 @@ _NAMED_COUNTERS = {
     "send_errors": ("murmur_send_errors", "Sends that raised after their computation."),
     "non_finite_loss": ("murmur_non_finite_loss", "Microbatches whose loss was NaN or infinite."),
     "peers_banned": ("murmur_peers_banned", "Peers banned for sending poisoned weights."),
+    "peers_refused_table_full": (
+        "murmur_peers_refused_table_full",
+        "New peers ignored because the peer table held membership.max_peers already.",
+    ),
 }
 """``Node.counters`` keys with a family of their own (prefix families are handled apart)."""
 

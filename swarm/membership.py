@@ -49,6 +49,8 @@ class MembershipConfig:
     """Live peers contacted per heartbeat round (all of them in a small swarm)."""
     request_timeout_s: float = 3.0
     """Deadline of one Hello exchange."""
+    max_peers: int = 4096
+    """Most peers a table holds: news of more is ignored until some expire or leave."""
 
 
 class MembershipService:

@@ -24,9 +24,12 @@ class _Entry:
 class PeerTable:
     """Known peers other than ourselves, keyed by peer id."""
 
-    def __init__(self, self_id: str, ttl_s: float) -> None:
+    def __init__(self, self_id: str, ttl_s: float, max_peers: int = 4096) -> None:
         self.self_id = self_id
         self.ttl_s = ttl_s
+        self.max_peers = max_peers
+        self.num_refused_full = 0
+        """New peers ignored because the table was full (a flood of made-up records)."""
         self._entries: dict[str, _Entry] = {}
         self._left: dict[str, float] = {}
 
@@ -36,7 +39,8 @@ class PeerTable:
         """Take a record heard ``age_s`` seconds ago, from the peer itself or ``relayed`` by
         another; returns True if the peer is new to us.
 
-        A peer on its way out (``leaving``) is never added, only marked. A peer that said
+        A peer on its way out (``leaving``) is never added, only marked, and no new peer is
+        added to a table that holds ``max_peers`` already. A peer that said
         goodbye comes back only by contacting us itself, not leaving, after the goodbye: a
         relay may carry news from just before the goodbye, dated late by its transit time.
         """
@@ -51,6 +55,9 @@ class PeerTable:
         entry = self._entries.get(record.peer_id)
         if entry is None:
             if record.leaving:
+                return False
+            if len(self._entries) >= self.max_peers:
+                self.num_refused_full += 1
                 return False
             self._entries[record.peer_id] = _Entry(record, seen)
             return True

@@ -66,6 +66,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_send_errors": ("counter", set()),
     "murmur_non_finite_loss": ("counter", set()),
     "murmur_peers_banned": ("counter", set()),
+    "murmur_peers_refused_table_full": ("counter", set()),
     "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_stage_replicas": ("gauge", {"stage"}),

@@ -102,3 +102,14 @@ def test_replicas_and_stage_counts() -> None:
     assert t.replicas(2) == []
     assert t.stage_counts(4) == {0: 0, 1: 2, 2: 0, 3: 0}
     assert t.stage_counts(4, extra=[3]) == {0: 0, 1: 2, 2: 0, 3: 1}
+
+
+def test_a_full_table_ignores_new_peers_but_keeps_refreshing_known_ones() -> None:
+    t = PeerTable("me", ttl_s=10, max_peers=2)
+    assert t.observe(rec("a"), now=0.0) and t.observe(rec("b"), now=0.0)
+    assert t.observe(rec("c"), now=1.0) is False and "c" not in t
+    assert t.num_refused_full == 1
+    t.observe(rec("a", step=7), now=2.0)
+    assert t.get("a").step == 7 and t.age_s("a", 2.0) == 0.0
+    t.remove("b", now=3.0)
+    assert t.observe(rec("c"), now=4.0) is True
