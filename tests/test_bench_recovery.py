@@ -1,0 +1,51 @@
+"""The recovery benchmark's pieces that need no swarm: the failure schedule and the summary."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.recovery import P_PER_PERCENT_HOUR, failure_schedule, summarize
+
+
+def test_the_schedule_fails_each_stage_at_the_given_rate_and_replays_by_seed() -> None:
+    p = 10 * P_PER_PERCENT_HOUR
+    assert p == pytest.approx(0.002)  # ALGORITHMS.md: 0.002 per iteration is 10 %/hour
+    events = failure_schedule(p, 100_000, 4, seed=3)
+    assert events == failure_schedule(p, 100_000, 4, seed=3)
+    assert all(1 <= stage <= 4 for _, stage in events)
+    assert len(events) == pytest.approx(p * 4 * 100_000, rel=0.1)
+    # a higher rate keeps the lower rate's failures (same draws, wider threshold)
+    assert set(failure_schedule(p / 2, 5000, 4, 1)) <= set(failure_schedule(p, 5000, 4, 1))
+
+
+def run(per_hour: float, times: dict[str, float | None]) -> dict:
+    return {
+        "target_loss": 2.5,
+        "p_per_stage_step": per_hour * P_PER_PERCENT_HOUR,
+        "per_hour": per_hour,
+        "minutes": 3.0,
+        "seed": 1,
+        "methods": {
+            m: {
+                "wall_s": [0.0, 60.0],
+                "steps": [0, 100],
+                "eval_loss": [5.0, 2.4],
+                "failures": [{"step": 10, "stage": 2, "wall_s": 5.0}],
+                "time_to_target_s": t,
+                "final_eval_loss": 2.4 if t else 2.6,
+            }
+            for m, t in times.items()
+        },
+    }
+
+
+def test_summary_compares_methods_to_checkpoint_restart(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps(run(5, {"checkpoint": 120.0, "checkfree": 80.0})))
+    (tmp_path / "b.json").write_text(json.dumps(run(16, {"checkpoint": None, "checkfree": 90.0})))
+    summarize(["a", "b"], tmp_path)
+    table = json.loads((tmp_path / "recovery-summary.json").read_text())
+    assert table["a"]["methods"]["checkfree"]["speedup_vs_checkpoint"] == 1.5
+    assert table["a"]["failures"] == 1 and table["b"]["per_hour"] == 16
+    assert table["b"]["methods"]["checkfree"]["speedup_vs_checkpoint"] is None  # never reached
+    assert (tmp_path / "recovery-summary.png").stat().st_size > 10_000
