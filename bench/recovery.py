@@ -151,78 +151,76 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def summarize(names: list[str], out: Path) -> None:
-    """Time to target and final eval loss of every method in each named run, side by side."""
+def time_to(curve: dict[str, Any], target: float) -> float | None:
+    """Seconds until the first evaluation at or below ``target`` (None: never reached)."""
+    return next(
+        (w for w, loss in zip(curve["wall_s"], curve["eval_loss"], strict=True) if loss <= target),
+        None,
+    )
+
+
+def summarize(names: list[str], out: Path, targets: list[float]) -> None:
+    """Time to each of ``targets`` and final eval loss of every method in each named run.
+
+    Several targets, because one run per rate is noisy and one target could be chosen to
+    suit a method; the speed-up is checkpoint-restart's time over the method's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [json.loads((out / f"{n}.json").read_text()) for n in names]
-    table = {
-        name: {
+    table: dict[str, Any] = {}
+    for name, r in zip(names, runs, strict=True):
+        methods: dict[str, Any] = {}
+        for k, m in r["methods"].items():
+            times = {str(t): time_to(m, t) for t in targets}
+            base = {str(t): time_to(r["methods"].get("checkpoint", m), t) for t in targets}
+            methods[k] = {
+                "time_to_target_s": times,
+                "speedup_vs_checkpoint": {
+                    t: round(base[t] / v, 2) if base[t] and v else None for t, v in times.items()
+                },
+                "final_eval_loss": m["final_eval_loss"],
+                "final_step": m["steps"][-1] if m["steps"] else 0,
+            }
+        table[name] = {
             "per_hour": r.get("per_hour", round(r["p_per_stage_step"] / P_PER_PERCENT_HOUR, 2)),
             "seed": r["seed"],
-            "target_loss": r["target_loss"],
+            "minutes": r["minutes"],
             "failures": max(len(m["failures"]) for m in r["methods"].values()),
-            "methods": {
-                k: {
-                    "time_to_target_s": m["time_to_target_s"],
-                    "final_eval_loss": m["final_eval_loss"],
-                    "speedup_vs_checkpoint": (
-                        round(
-                            r["methods"]["checkpoint"]["time_to_target_s"] / m["time_to_target_s"],
-                            2,
-                        )
-                        if "checkpoint" in r["methods"]
-                        and r["methods"]["checkpoint"]["time_to_target_s"]
-                        and m["time_to_target_s"]
-                        else None
-                    ),
-                }
-                for k, m in r["methods"].items()
-            },
+            "methods": methods,
         }
-        for name, r in zip(names, runs, strict=True)
-    }
     (out / "recovery-summary.json").write_text(json.dumps(table, indent=2) + "\n")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    methods = list(runs[0]["methods"])
-    width = 0.8 / len(methods)
-    labels = [f"{t['per_hour']:g} %/h (seed {t['seed']})" for t in table.values()]
-    for i, method in enumerate(methods):
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(names))]
-        reached = [t["methods"][method]["time_to_target_s"] for t in table.values()]
-        # a run that never reached the target is drawn at its full length, hatched
-        full = [r["minutes"] * 60 for r in runs]
-        ax1.bar(
-            xs,
-            [v or f for v, f in zip(reached, full, strict=True)],
-            width,
-            label=method,
-            hatch=None,
-        )
-        for x, v, f in zip(xs, reached, full, strict=True):
-            if v is None:
-                ax1.bar([x], [f], width, fill=False, hatch="//", edgecolor="black")
-        ax2.bar(
-            xs,
-            [t["methods"][method]["final_eval_loss"] for t in table.values()],
-            width,
-            label=method,
-        )
-    for ax, ylabel in (
-        (ax1, "seconds to target eval loss (hatched: not reached)"),
-        (ax2, "final eval loss"),
-    ):
-        ax.set_xticks(range(len(names)), labels)
-        ax.set_ylabel(ylabel)
+
+    method_names = list(runs[0]["methods"])
+    width = 0.8 / len(method_names)
+    labels = [f"{t['per_hour']:g} %/h, {t['failures']} failures" for t in table.values()]
+    fig, axes = plt.subplots(1, len(targets) + 1, figsize=(4.2 * (len(targets) + 1), 4.2))
+    panels = [(str(t), f"seconds to eval loss {t:g}") for t in targets] + [("final", "")]
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for i, method in enumerate(method_names):
+            xs = [j + (i - (len(method_names) - 1) / 2) * width for j in range(len(names))]
+            if key == "final":
+                ys = [t["methods"][method]["final_eval_loss"] for t in table.values()]
+                ax.bar(xs, ys, width, label=method)
+                continue
+            got = [t["methods"][method]["time_to_target_s"][key] for t in table.values()]
+            full = [t["minutes"] * 60 for t in table.values()]
+            bars = ax.bar(xs, [g or f for g, f in zip(got, full, strict=True)], width, label=method)
+            for bar, g in zip(bars, got, strict=True):
+                if g is None:  # not reached within the run: drawn at the run's length, hatched
+                    bar.set_hatch("//")
+                    bar.set_alpha(0.4)
+        ax.set_xticks(range(len(names)), labels, fontsize=8)
+        ax.set_title(title or "final eval loss (after the run)")
         ax.grid(alpha=0.3, axis="y")
-        ax.legend()
-    lo = min(t["methods"][m]["final_eval_loss"] for t in table.values() for m in methods)
-    ax2.set_ylim(bottom=lo * 0.9)
+    lo = min(t["methods"][m]["final_eval_loss"] for t in table.values() for m in method_names)
+    axes[-1].set_ylim(bottom=lo * 0.9)
+    axes[0].set_ylabel("seconds (hatched: not reached)")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "recovery-summary.png", dpi=120)
+    fig.savefig(out / "recovery-summary.png", dpi=110)
 
 
 def main() -> None:
@@ -243,12 +241,13 @@ def main() -> None:
     p.add_argument(
         "--summary", nargs="+", metavar="NAME", help="compare the named runs in one figure"
     )
+    p.add_argument("--targets", default="2.5,2.3,2.2", help="eval losses the summary times")
     args = p.parse_args()
     if args.p is None:
         args.p = (10.0 if args.per_hour is None else args.per_hour) * P_PER_PERCENT_HOUR
     json_path, png_path = args.out / f"{args.name}.json", args.out / f"{args.name}.png"
     if args.summary:
-        summarize(args.summary, args.out)
+        summarize(args.summary, args.out, [float(t) for t in args.targets.split(",")])
         return
     if args.replot:  # redraw, with the time to reach --target recomputed from the stored curves
         result = json.loads(json_path.read_text())

@@ -28,9 +28,9 @@ def run(per_hour: float, times: dict[str, float | None]) -> dict:
         "seed": 1,
         "methods": {
             m: {
-                "wall_s": [0.0, 60.0],
+                "wall_s": [0.0, t or 180.0],
                 "steps": [0, 100],
-                "eval_loss": [5.0, 2.4],
+                "eval_loss": [5.0, 2.4 if t else 2.6],
                 "failures": [{"step": 10, "stage": 2, "wall_s": 5.0}],
                 "time_to_target_s": t,
                 "final_eval_loss": 2.4 if t else 2.6,
@@ -43,9 +43,12 @@ def run(per_hour: float, times: dict[str, float | None]) -> dict:
 def test_summary_compares_methods_to_checkpoint_restart(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps(run(5, {"checkpoint": 120.0, "checkfree": 80.0})))
     (tmp_path / "b.json").write_text(json.dumps(run(16, {"checkpoint": None, "checkfree": 90.0})))
-    summarize(["a", "b"], tmp_path)
+    summarize(["a", "b"], tmp_path, [2.5, 2.4, 2.0])
     table = json.loads((tmp_path / "recovery-summary.json").read_text())
-    assert table["a"]["methods"]["checkfree"]["speedup_vs_checkpoint"] == 1.5
+    a, b = table["a"]["methods"], table["b"]["methods"]
+    assert a["checkfree"]["time_to_target_s"] == {"2.5": 80.0, "2.4": 80.0, "2.0": None}
+    assert a["checkfree"]["speedup_vs_checkpoint"] == {"2.5": 1.5, "2.4": 1.5, "2.0": None}
     assert table["a"]["failures"] == 1 and table["b"]["per_hour"] == 16
-    assert table["b"]["methods"]["checkfree"]["speedup_vs_checkpoint"] is None  # never reached
+    assert b["checkpoint"]["time_to_target_s"]["2.5"] is None  # never reached
+    assert b["checkfree"]["speedup_vs_checkpoint"]["2.5"] is None
     assert (tmp_path / "recovery-summary.png").stat().st_size > 10_000
