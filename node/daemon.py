@@ -98,6 +98,8 @@ class Node:
         self.stage_since = time.monotonic()
         self.ready = False
         self.leaving = False
+        self._draining = False
+        """Moving to another stage: backwards for our saved forwards are still taken."""
         self.address = ""
         self.started_s = time.monotonic()
         self.clock = MonotonicClock()
@@ -389,12 +391,16 @@ class Node:
         """Leave this block stage for ``stage``: stop taking work, drain, switch, rebuild."""
         assert self.runner is not None and self.stage != 0, "head nodes do not move"
         old = self.runner
-        self.ready = False  # peers stop routing to us; new work is refused with not_ready
+        self.ready = False  # peers stop routing to us; new forwards are refused with not_ready
+        self._draining = True  # ...but the backwards of forwards we already made are taken
         deadline = time.monotonic() + self.config.node.drain_s
         while (
-            self._queue.qsize() or self._busy or self.sync._running
+            self._queue.qsize() or self._busy or self.sync._running or old.num_saved
         ) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self._draining = False
+        if old.num_saved:
+            self.counters["backwards_lost_on_move"] += old.num_saved
         while not self._queue.empty():
             self._queue.get_nowait()
             self.counters["jobs_dropped_on_move"] += 1
@@ -641,7 +647,8 @@ class Node:
         return Ack()
 
     def _on_backward(self, msg: Backward) -> Ack:
-        self._check_serving()
+        if not (self._draining and self.runner is not None and self.runner.has_saved(msg.mb_id)):
+            self._check_serving()
         if not 0 <= msg.index < len(msg.path) or msg.path[msg.index].peer_id != self.peer_id:
             raise Refused(
                 "not_on_path", f"this node is not hop {msg.index} of microbatch {msg.mb_id}", 400

@@ -211,6 +211,11 @@ class StageRunner:
     def has_saved(self, mb_id: str) -> bool:
         return mb_id in self._saved
 
+    @property
+    def num_saved(self) -> int:
+        """Forwards still waiting for their backward (what a drain waits for)."""
+        return len(self._saved)
+
     def expire_saved(self, now: float) -> int:
         """Free activations older than the TTL (their gradient is not coming); returns how many."""
         old = [k for k, s in self._saved.items() if now - s.created_s > self.train.activation_ttl_s]

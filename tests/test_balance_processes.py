@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -92,6 +93,60 @@ def test_a_slowed_stage_attracts_more_nodes(tmp_path: Path) -> None:
         moves = sum(fetch_status(a)["balance"]["moves"] for a in autos)
         print(f"replicas per block stage {dict(got)} after {moves} rebalancing move(s)")
         wait_for(lambda: fetch_status(head)["step"] >= 10, 120, "training goes on")
+        assert not s.dead()
+    finally:
+        s.stop(grace_s=5)
+
+
+def test_a_move_drains_and_carries_the_new_stages_weights(tmp_path: Path) -> None:
+    # Three --stage auto nodes fill the three empty block stages; pinned nodes then double
+    # stages 1 and 3. Stage 2 is slowed, so the bottleneck is its single replica and the only
+    # move that helps is an auto node of stage 1 or 3 going there (its stage keeps the pinned
+    # replica). The mover must drain, then copy stage 2's weights from its live replica.
+    settings = {
+        **BASE,
+        "train.compute_delay_s": "0.3",
+        "train.compute_delay_stages": "2",
+        "data.batch_size": "8",
+        "data.seq_len": "64",
+    }
+    s = LocalSwarm(tmp_path, settings)
+    try:
+        head = s.start_node(0)
+        wait_ready(head, 90, s)
+        autos = []
+        for _ in range(3):
+            autos.append(s.start_node("auto"))
+            wait_ready(autos[-1], 90, s)
+        placed = {fetch_status(a)["stage"]: a for a in autos}
+        assert sorted(placed) == [1, 2, 3], placed
+        for pinned in (1, 3):
+            wait_ready(s.start_node(pinned), 90, s)
+        keeper = placed[2]
+        movers = [placed[1], placed[3]]
+
+        def moved() -> str | None:
+            for a in movers:
+                st = fetch_status(a)
+                if st["balance"]["moves"] and st["stage"] == 2 and st["ready"]:
+                    return a
+            return None
+
+        mover = wait_for(moved, 150, "an auto node of stage 1 or 3 moving to the slowed stage 2")
+        keeper_id = fetch_status(keeper)["peer_id"]
+        name = f"stageauto-{mover.rsplit(':', 1)[1]}"
+        log = (tmp_path / f"{name}.log").read_text(errors="replace")
+        assert "rebalancing: moving from stage" in log
+        # the weights came from the stage's live replica, not a fresh start from the seed
+        copied = re.search(r"copied stage 2 state \(step (\d+)\) from (\w+)", log)
+        assert copied and keeper_id.startswith(copied.group(2)) and int(copied.group(1)) >= 1, log
+        counters = fetch_status(mover)["counters"]
+        print(f"move copied stage 2 at step {copied.group(1)}; drain counters {counters}")
+        # the stage it left still has its pinned replica, and training goes on through both
+        st = fetch_status(head)
+        assert all(st["peers"][str(k)] for k in (1, 2, 3)), st["peers"]
+        step = st["step"]
+        wait_for(lambda: fetch_status(head)["step"] >= step + 5, 120, "training after the move")
         assert not s.dead()
     finally:
         s.stop(grace_s=5)
