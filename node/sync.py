@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.config import SyncConfig
 from node.runner import Offer
 from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from swarm.allreduce import RingAllReduce, RingFailed
@@ -32,6 +33,17 @@ if TYPE_CHECKING:
     from node.daemon import Node
 
 log = logging.getLogger(__name__)
+
+
+def weight_screen(config: SyncConfig) -> WeightScreen:
+    """The screen a replica puts its partners' offers through, as configured."""
+    return WeightScreen(
+        ScreenConfig(
+            multiple=config.screen_multiple,
+            window=config.screen_window,
+            warmup=config.screen_warmup,
+        )
+    )
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -72,13 +84,7 @@ class StageSync:
             stage=node.stage,
             replicas=self._partners,
         )
-        self.screen = WeightScreen(
-            ScreenConfig(
-                multiple=self.config.screen_multiple,
-                window=self.config.screen_window,
-                warmup=self.config.screen_warmup,
-            )
-        )
+        self.screen = weight_screen(self.config)
         self.ring = RingAllReduce(
             node.link,
             node.clock,

@@ -13,7 +13,9 @@ data shard and sampling seed), and a learning rate that decays to zero at the bu
 whatever the exact moment it runs. What remains is routing, staleness and pairing, which
 follow the machine's timing; on the shared 2-core machine this was written on, clean runs
 of this exact set-up differ by up to 4 % (see ``TOLERANCE``), more than the 1 % issue 7
-asks for, so the test allows what clean runs themselves show. Without the screen
+asks for, so the test allows what clean runs themselves show. The 1 % bound itself is held
+in ``tests/test_poison_loss.py``, where the same runner and screen run in lockstep and two
+runs differ by the poison alone. Without the screen
 (``sync.screen_multiple = 0``) the same poisoner's weights are averaged in: within two
 rounds a stage-1 replica's weights are not finite, the next stage refuses its activations
 (``non_finite``), it stalls and the run never reaches its budget.

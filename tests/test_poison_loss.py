@@ -1,0 +1,191 @@
+"""Issue 7's 1 % bound, measured where nothing but the poison differs between two runs.
+
+Between real processes (``tests/test_poison_processes.py``) routing, staleness and pairing
+follow the machine's timing, and clean runs alone differ by about 1.5 % std in eval loss,
+so that test can only hold a poisoned run to 6 % of a clean one. Here the daemon's own
+parts run in lockstep in this process, with every random choice seeded:
+
+- one head replica and ``REPLICAS`` replicas of a single block stage, each a real
+  ``StageRunner`` (forward, backward with weight stashing, clipped Adam on the configured
+  schedule, NoLoCo offers, their decoding and distance, the outer step);
+- the embedded corpus, one seeded stream of microbatches dealt round robin to the block
+  replicas (SWARM routing spreads them evenly among equal replicas too);
+- every ``sync.outer_steps`` steps the block replicas pair at random (a seeded draw over
+  those not banned by each other, NoLoCo's one random partner; the odd one out takes a
+  solo outer step, as does the lone head), and each side puts its partner's offer through
+  ``node.sync.weight_screen``, the daemon's screen; a refusal bans the partner for good
+  and the replica takes a solo step, as ``node.sync.SyncService`` does.
+
+Two runs with the same seeds are bit-identical (tested), so a poisoned run against a clean
+one measures the poison's effect and nothing else. The poisoner is the last block replica,
+its outgoing offers corrupted by ``sync.debug_poison`` (x1000, or NaN); the others' eval
+loss must stay within 1 % of the clean run's. With the screen's distance rule off the same
+x1000 poisoner wrecks them (tested), so the bound is not met by accident.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from node.config import Config, resolve_config
+from node.data import open_dataset
+from node.runner import StageRunner
+from node.sync import weight_screen
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPLICAS = 4
+"""Block-stage replicas; the last one is the poisoner in a poisoned run."""
+ROUNDS = 10
+"""Outer rounds of every block replica."""
+BOUND = 0.01
+"""Issue 7: the others' eval loss within 1 % of a clean run."""
+SETTINGS = {
+    "swarm.num_block_stages": "1",
+    "sync.method": "noloco",
+    "sync.outer_steps": "5",
+    "train.step_samples": "16",
+    "train.warmup_steps": "10",
+    "train.total_steps": "200",
+    "train.eval_batches": "8",
+    "data.batch_size": "8",
+    "data.seq_len": "64",
+    "node.threads": "1",
+}
+
+
+@dataclass
+class Run:
+    eval_loss: list[float]
+    """Eval loss through the head and each block replica."""
+    refused: list[int] = field(default_factory=lambda: [0] * REPLICAS)
+    """Offers each block replica refused."""
+    paired: list[int] = field(default_factory=lambda: [0] * REPLICAS)
+    banned: list[set[int]] = field(default_factory=lambda: [set() for _ in range(REPLICAS)])
+
+    @property
+    def honest_loss(self) -> list[float]:
+        return self.eval_loss[: REPLICAS - 1]
+
+
+def config(extra: dict[str, str]) -> Config:
+    return resolve_config(None, {}, {**SETTINGS, **extra})
+
+
+def runner(c: Config, stage: int) -> StageRunner:
+    r = StageRunner(c, stage)
+    r._build()
+    r.close()  # driven directly from this thread: its compute thread is not needed
+    return r
+
+
+def train(poison: str = "", screen_multiple: str | None = None) -> Run:
+    extra = {} if screen_multiple is None else {"sync.screen_multiple": screen_multiple}
+    base, poisoned = config(extra), config({**extra, "sync.debug_poison": poison})
+    torch.manual_seed(0)
+    head = runner(base, 0)
+    blocks = [runner(poisoned if k == REPLICAS - 1 else base, 1) for k in range(REPLICAS)]
+    screens = [weight_screen(base.sync) for _ in blocks]
+    data = open_dataset(base.data, shard=0, seed=0, vocab_size=base.model.vocab_size)
+    batches = torch.Generator().manual_seed(1)
+    pairing = random.Random(2)
+    per_step = base.train.step_samples // base.data.batch_size
+    run = Run(eval_loss=[])
+
+    def microbatch(k: int, mb_id: str) -> None:
+        ids, labels = data.sample_batch(batches, base.data.batch_size, base.data.seq_len)
+        out = blocks[k].block_forward(mb_id, head.head_embed(ids), train=True)
+        _, grad = head.head_loss(out, labels, train=True)
+        assert grad is not None
+        head.head_backward(ids, blocks[k].block_backward(mb_id, grad))
+        if head.sync_due:  # the lone head replica: solo outer steps
+            head.apply_noloco(None)
+            head.finish_sync(True)
+
+    mb = 0
+    for _ in range(ROUNDS):
+        for _ in range(base.sync.outer_steps * per_step):
+            for k in range(REPLICAS):  # round robin: every replica steps in lockstep
+                microbatch(k, f"mb{mb}")
+                mb += 1
+        assert all(b.sync_due == "outer" for b in blocks)
+        offers = [b.outer_contribution(base.sync.codec) for b in blocks]
+        order = list(range(REPLICAS))
+        pairing.shuffle(order)
+        partner: dict[int, int] = {}
+        while len(order) >= 2:
+            i = order.pop()
+            j = next(
+                (j for j in reversed(order) if j not in run.banned[i] and i not in run.banned[j]),
+                None,
+            )
+            if j is None:
+                continue  # nobody left who would pair with i: a solo step
+            order.remove(j)
+            partner[i], partner[j] = j, i
+        for k, b in enumerate(blocks):
+            offer = None
+            if k in partner:
+                offer = b.decode_offer(offers[partner[k]])
+                if screens[k].judge(offer.distance, offer.scale, offer.movement) is not None:
+                    run.refused[k] += 1
+                    run.banned[k].add(partner[k])
+                    offer = None
+                else:
+                    run.paired[k] += 1
+            b.apply_noloco(offer)
+            b.finish_sync(True)
+    evals = data.eval_batches(base.train.eval_batches, base.data.batch_size, base.data.seq_len)
+    for k, b in enumerate(blocks):
+        losses = [
+            head.head_loss(
+                b.block_forward(f"eval{k}", head.head_embed(ids), train=False), labels, train=False
+            )[0]
+            for ids, labels in evals
+        ]
+        run.eval_loss.append(sum(losses) / len(losses))
+    return run
+
+
+@pytest.fixture(scope="module")
+def clean() -> Run:
+    return train()
+
+
+def test_runs_with_the_same_seeds_are_identical(clean: Run) -> None:
+    again = train()
+    assert again.eval_loss == clean.eval_loss
+    assert sum(clean.paired) >= REPLICAS * ROUNDS // 2  # replicas really average
+    assert not any(clean.refused)  # and honest offers pass the screen
+    assert all(math.isfinite(x) and x < 4.5 for x in clean.eval_loss), clean.eval_loss
+
+
+@pytest.mark.parametrize("poison", ["scale:1000", "nan"])
+def test_a_poisoner_moves_the_others_eval_loss_by_under_1_percent(clean: Run, poison: str) -> None:
+    run = train(poison)
+    change = [p / c - 1 for p, c in zip(run.honest_loss, clean.honest_loss, strict=True)]
+    print(
+        f"{poison}: clean {[round(x, 4) for x in clean.honest_loss]}, poisoned "
+        f"{[round(x, 4) for x in run.honest_loss]}, change {[f'{c:+.3%}' for c in change]}, "
+        f"refused {run.refused}"
+    )
+    poisoner = REPLICAS - 1
+    # whoever drew the poisoner refused it once and never paired with it again
+    assert all(r <= 1 for r in run.refused[:poisoner]) and sum(run.refused) >= 1
+    assert all(poisoner in run.banned[k] for k in range(poisoner) if run.refused[k])
+    assert all(abs(c) <= BOUND for c in change)
+
+
+def test_without_the_distance_rule_the_same_poisoner_wrecks_the_others(clean: Run) -> None:
+    run = train("scale:1000", screen_multiple="0")
+    # the x1000 offers are averaged in; within a round or two the replicas hold NaN (only
+    # then is anything refused: non-finite offers are, whatever the distance rule)
+    assert all(p >= 1 for p in run.paired[: REPLICAS - 1])
+    worst = max(run.honest_loss, key=lambda x: x if math.isfinite(x) else math.inf)
+    print(f"unscreened x1000: honest eval loss {run.honest_loss} vs clean {clean.honest_loss}")
+    assert not math.isfinite(worst) or worst > 1.1 * max(clean.honest_loss)
