@@ -416,7 +416,7 @@ class Node:
                 continue  # it sent poisoned weights before
             try:
                 reply = await self.link.request(
-                    peer.address, FetchState(stage=self.stage), timeout_s=60.0
+                    peer.address, FetchState(stage=self.stage), 60.0, peer.peer_id
                 )
                 state = expect(reply, StageState)
                 if not await self.recovery.screen_source(peer.peer_id, state.tensors):
@@ -798,12 +798,12 @@ class Node:
         timeout_s = self.config.train.hop_timeout_s
         try:
             try:
-                reply = await self.link.request(address, msg, timeout_s)
+                reply = await self.link.request(address, msg, timeout_s, peer_id)
             except TransportError as e:
                 # a peer that has not heard of us yet: introduce ourselves, then ask once more
                 if e.code != "unknown_peer" or not await self.membership.contact(address):
                     raise
-                reply = await self.link.request(address, msg, timeout_s)
+                reply = await self.link.request(address, msg, timeout_s, peer_id)
             expect(reply, Ack)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"

@@ -42,11 +42,13 @@ class ShapedTransport:
         self._uplink_free_at = start + self._serialise_s(nbytes)
         await asyncio.sleep(self._uplink_free_at - now + self.latency_s)
 
-    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
         try:
             async with asyncio.timeout(timeout_s):
                 await self._travel(message_nbytes(msg))
-                reply = await self.inner.request(address, msg, timeout_s)
+                reply = await self.inner.request(address, msg, timeout_s, peer_id)
                 await asyncio.sleep(self.latency_s + self._serialise_s(message_nbytes(reply)))
         except TimeoutError:
             raise TransportError(

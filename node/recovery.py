@@ -128,7 +128,7 @@ class RecoveryService:
             msg = HeadBackup(step=runner.step, tensors={f"param.{k}": v for k, v in params.items()})
             for peer in self.node.table.replicas(1)[:2]:
                 try:
-                    await self.node.link.request(peer.address, msg, timeout_s=30.0)
+                    await self.node.link.request(peer.address, msg, 30.0, peer.peer_id)
                 except TransportError as e:
                     log.warning("head backup to %s failed: %s", peer.peer_id[:8], e)
         finally:
@@ -235,7 +235,7 @@ class RecoveryService:
                 key=lambda r: r.head_backup_step,
             )
             state = expect(
-                await node.link.request(holder.address, FetchState(stage=0), timeout_s=60.0),
+                await node.link.request(holder.address, FetchState(stage=0), 60.0, holder.peer_id),
                 StageState,
             )
             if await self.screen_source(holder.peer_id, state.tensors):
@@ -271,7 +271,7 @@ class RecoveryService:
 
         async def tell(peer: PeerRecord) -> None:
             try:
-                await self.node.link.request(peer.address, msg, timeout_s=30.0)
+                await self.node.link.request(peer.address, msg, 30.0, peer.peer_id)
             except TransportError as e:
                 log.warning("rollback request to %s failed: %s", peer.peer_id[:8], e)
 
@@ -285,7 +285,7 @@ class RecoveryService:
                 continue
             try:
                 reply = await self.node.link.request(
-                    peer.address, FetchState(stage=stage), timeout_s=60.0
+                    peer.address, FetchState(stage=stage), 60.0, peer.peer_id
                 )
                 state = expect(reply, StageState)
                 if not await self.screen_source(peer.peer_id, state.tensors):

@@ -83,6 +83,7 @@ class StageSync:
             self_id=node.peer_id,
             stage=node.stage,
             replicas=self._partners,
+            introduce=node.membership.contact,
         )
         self.screen = weight_screen(self.config)
         self.ring = RingAllReduce(

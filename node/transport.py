@@ -234,13 +234,16 @@ class HttpTransport:
             await self._session.close()
             self._session = None
 
-    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
-        """Send ``msg``; return the reply, or raise ``TransportError`` (``Error`` replies too)."""
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
+        """Send ``msg`` (to ``peer_id`` when known, see ``swarm.seams.Transport``); return the
+        reply, or raise ``TransportError`` (``Error`` replies too)."""
         assert self._session is not None, "transport not started"
         body = FramePayload(encode_message(msg))
         t0 = time.monotonic()
         try:
-            reply = await self._exchange(address, msg, body, timeout_s)
+            reply = await self._exchange(address, msg, body, timeout_s, peer_id)
         except TransportError as e:
             self.stats.observe_request(msg.TYPE, e.code, time.monotonic() - t0)
             raise
@@ -251,14 +254,16 @@ class HttpTransport:
         return reply
 
     async def _exchange(
-        self, address: str, msg: Message, body: FramePayload, timeout_s: float
+        self, address: str, msg: Message, body: FramePayload, timeout_s: float, peer_id: str
     ) -> Message:
         """POST one frame and decode the reply frame (an ``Error`` reply is returned)."""
         assert self._session is not None
         sent = None
         if self.auth is not None:
             digest = await digest_of(body.buffers)
-            sent = self.auth.sign_request(address, "POST", RPC_PATH, digest, time.time())
+            sent = self.auth.sign_request(
+                address, "POST", RPC_PATH, digest, time.time(), peer_id=peer_id
+            )
         headers = {AUTH_HEADER: sent.header} if sent is not None else None
         url = f"http://{address}{RPC_PATH}"
         try:

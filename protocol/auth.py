@@ -267,14 +267,21 @@ class SwarmAuth:
     # ---- client side ----------------------------------------------------------------------
 
     def sign_request(
-        self, address: str, method: str, path: str, digest: bytes, now: float, nonce: str = ""
+        self,
+        address: str,
+        method: str,
+        path: str,
+        digest: bytes,
+        now: float,
+        nonce: str = "",
+        peer_id: str = "",
     ) -> Outgoing:
         """Seal a request to ``address`` whose frame has ``digest``; the returned exchange
-        then checks its reply."""
-        proof = self._seal(
-            ("request", method, path), digest, now, self._peer_at.get(address, ""), nonce
-        )
-        return Outgoing(self, address, proof)
+        then checks its reply. With ``peer_id`` the request is meant for that peer alone and
+        only a reply it sealed is accepted; without, for whoever last answered there."""
+        to = peer_id or self._peer_at.get(address, "")
+        proof = self._seal(("request", method, path), digest, now, to, nonce)
+        return Outgoing(self, address, proof, peer_id)
 
     # ---- server side ----------------------------------------------------------------------
 
@@ -345,9 +352,10 @@ class Incoming:
 class Outgoing:
     """A sent request: its header, and the checks its reply must pass."""
 
-    def __init__(self, auth: SwarmAuth, address: str, proof: Proof) -> None:
+    def __init__(self, auth: SwarmAuth, address: str, proof: Proof, expect: str = "") -> None:
         self._auth = auth
         self._address = address
+        self._expect = expect
         self.proof = proof
         self.header = proof.header()
         self.signer: str | None = None
@@ -362,6 +370,11 @@ class Outgoing:
         if proof.to != self._auth.identity.peer_id:
             raise AuthMisdirected(f"reply sealed for peer {proof.to[:8] or '(nobody)'}, not us")
         self._auth._verify(proof, ("reply", self.proof.nonce), digest)
+        if self._expect and proof.signer != self._expect:
+            raise IdentityMismatch(
+                f"the reply from {self._address} is sealed by peer {proof.signer[:8]}, not by "
+                f"{self._expect[:8]} whom the request was for (a false address for that peer?)"
+            )
         self.signer = proof.signer
         if len(self._auth._peer_at) >= MAX_KNOWN_ADDRESSES:  # churn: forget, relearn on use
             self._auth._peer_at.clear()

@@ -171,7 +171,7 @@ class RingAllReduce:
 
     async def _send(self, hop: Hop, msg: RingChunk) -> None:
         try:
-            await self.transport.request(hop.address, msg, self.step_timeout_s)
+            await self.transport.request(hop.address, msg, self.step_timeout_s, hop.peer_id)
         except TransportError as e:
             raise RingFailed(f"sending {msg.phase}/{msg.step} to {hop.peer_id[:8]}: {e}") from None
         self.bytes_sent += sum(t.numel() * t.element_size() for t in msg.tensors.values())

@@ -4,7 +4,9 @@ Pure data structure with explicit ``now`` arguments (no clock, no I/O). Liveness
 a relayed record carries its age, so information only ever comes from a peer's own
 heartbeats and cannot be kept alive by relaying alone; a peer silent for ``ttl_s`` expires
 everywhere. A peer that said goodbye leaves a tombstone so that stale relays do not
-resurrect it.
+resurrect it. A relay cannot move a peer we hear from directly: while its own heartbeats
+are fresh, the address they came with stands (a member relaying a false address for another
+peer's id cannot draw that peer's work).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from protocol.messages import PeerRecord
 class _Entry:
     record: PeerRecord
     last_seen: float
+    direct_s: float | None = None
+    """When the peer itself last told us about itself (None: only relays so far)."""
 
 
 class PeerTable:
@@ -59,8 +63,16 @@ class PeerTable:
             if len(self._entries) >= self.max_peers:
                 self.num_refused_full += 1
                 return False
-            self._entries[record.peer_id] = _Entry(record, seen)
+            self._entries[record.peer_id] = _Entry(record, seen, None if relayed else seen)
             return True
+        if not relayed:
+            entry.direct_s = seen
+        elif (
+            entry.direct_s is not None
+            and now - entry.direct_s <= self.ttl_s
+            and record.address != entry.record.address
+        ):
+            record = replace(record, address=entry.record.address)
         if seen >= entry.last_seen:
             entry.record, entry.last_seen = record, seen
         return False

@@ -17,10 +17,16 @@ from protocol.messages import Message
 class Transport(Protocol):
     """Send one message to the peer at ``address`` (``host:port``) and return its reply."""
 
-    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
         """Raises ``TransportError`` when the peer cannot be reached or answers with an error.
 
-        When it returns, ``msg`` has been sent in full: its tensors may be reused or changed.
+        ``peer_id`` names the peer expected at ``address`` ("" for a first contact): in a
+        keyed swarm the request is then sealed for it alone, and a reply sealed by anyone
+        else fails (``identity_mismatch``), so a false address relayed for a peer cannot draw
+        its work elsewhere. When it returns, ``msg`` has been sent in full: its tensors may
+        be reused or changed.
         """
         ...
 

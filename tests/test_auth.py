@@ -21,6 +21,7 @@ from node.identity import IDENTITY_FILE, load_identity, load_swarm_key, swarm_au
 from protocol.auth import (
     AUTH_HEADER,
     Identity,
+    Incoming,
     ReplayCache,
     SwarmAuth,
     claimed_sender,
@@ -284,6 +285,31 @@ def test_a_sealed_reply_is_checked_and_teaches_who_answers_there(bob: SwarmAuth)
     # Carol answers at Bob's old address now: Alice forgets the binding on her refusal
     nxt.check_reply(Error(code="auth_misdirected", message="not me"))
     assert alice.sign_request("bob:1", "POST", "/rpc", EMPTY, NOW).proof.to == ""
+
+
+def test_a_request_for_a_named_peer_accepts_only_that_peers_reply() -> None:
+    """A member relays a false address for Bob's id: work meant for Bob reaches Mallory,
+    who can seal a reply only as herself, and Alice refuses it."""
+    alice, mallory = SwarmAuth(KEY, ALICE), SwarmAuth(KEY, MALLORY)
+    body = leave(ALICE.peer_id)
+    sent = alice.sign_request(
+        "mallory:1", "POST", "/rpc", frame_digest(body), NOW, peer_id=BOB.peer_id
+    )
+    assert sent.proof.to == BOB.peer_id  # sealed for Bob, even at an address never answered
+    with pytest.raises(AuthMisdirected):  # an honest node there says it is not Bob
+        mallory.accept(sent.header, "POST", "/rpc", NOW)
+    # a dishonest one skips that check and answers as herself: the seal gives her away
+    incoming = Incoming(mallory, parse_proof(sent.header), ("request", "POST", "/rpc"), NOW)
+    incoming.verify(frame_digest(body))
+    reply = frame_digest(encode_message(Ack()))
+    with pytest.raises(IdentityMismatch, match="not by"):
+        sent.open_reply(200, incoming.seal_reply(reply), reply)
+    # Bob's own reply is accepted
+    sent = alice.sign_request("bob:1", "POST", "/rpc", frame_digest(body), NOW, peer_id=BOB.peer_id)
+    incoming = SwarmAuth(KEY, BOB).accept(sent.header, "POST", "/rpc", NOW)
+    incoming.verify(frame_digest(body))
+    sent.open_reply(200, incoming.seal_reply(reply), reply)
+    assert sent.signer == BOB.peer_id
 
 
 def test_a_reply_claiming_another_sender_is_refused(bob: SwarmAuth) -> None:

@@ -43,7 +43,9 @@ class FakeTransport:
     def __init__(self, net: FakeNet, source: str) -> None:
         self.net, self.source = net, source
 
-    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
         target = self.net.nodes.get(address)
         side = self.net.side
         if (

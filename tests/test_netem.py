@@ -12,7 +12,9 @@ from swarm.seams import TransportError
 
 
 class Instant:
-    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
         return Ack()
 
 

@@ -113,3 +113,20 @@ def test_a_full_table_ignores_new_peers_but_keeps_refreshing_known_ones() -> Non
     assert t.get("a").step == 7 and t.age_s("a", 2.0) == 0.0
     t.remove("b", now=3.0)
     assert t.observe(rec("c"), now=4.0) is True
+
+
+def test_a_relay_cannot_move_a_peer_we_hear_from_directly() -> None:
+    t = PeerTable("me", ttl_s=10)
+    t.observe(rec("a"), now=0.0)  # a itself, at its real address
+    real = t.get("a").address  # type: ignore[union-attr]
+    fake = PeerRecord(peer_id="a", address="6.6.6.6:1", stage=1, ready=True, step=9)
+    t.observe(fake, now=1.0, age_s=0.0, relayed=True)
+    got = t.get("a")
+    assert got is not None and got.address == real and got.step == 9  # news, not the address
+    # once a's own heartbeats are older than the TTL, relays are all we have
+    t.observe(fake, now=10.5, age_s=0.0, relayed=True)
+    assert t.get("a").address == "6.6.6.6:1"  # type: ignore[union-attr]
+    # a peer only ever heard of through relays can be moved by them (a restart elsewhere)
+    t.observe(PeerRecord(peer_id="b", address="10.0.0.2:1", stage=1), now=11.0, relayed=True)
+    t.observe(PeerRecord(peer_id="b", address="10.0.0.3:1", stage=1), now=12.0, relayed=True)
+    assert t.get("b").address == "10.0.0.3:1"  # type: ignore[union-attr]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -25,8 +26,12 @@ class Net:
         self.gossip: dict[str, GossipService] = {}
         self.dead: set[str] = set()
         self.delay_s = 0.0
+        self.strangers: dict[str, set[str]] = {}
+        """address -> senders refused there as ``unknown_peer`` until introduced."""
 
-    async def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
         if address in self.dead:
             await asyncio.sleep(timeout_s)
             raise TransportError("timeout", address)
@@ -39,6 +44,8 @@ class Net:
                     self.rings[address].deliver(msg)
                     return Ack()
                 if isinstance(msg, GossipRequest):
+                    if msg.sender in self.strangers.get(address, set()):
+                        raise Refused("unknown_peer", f"{msg.sender} has not said hello")
                     return await self.gossip[address].handle_request(msg)
         except Refused as e:
             raise TransportError(e.code, e.message) from None
@@ -191,6 +198,31 @@ async def test_partner_dead_mid_exchange_means_solo() -> None:
     net.dead.add("a1")
     out = await a.exchange(0, contrib(0))
     assert out.partner_id is None and out.refusals == {"timeout": 1}
+
+
+async def test_a_partner_that_does_not_know_us_yet_is_introduced_to_and_asked_again() -> None:
+    net = Net()
+    a, b = make_gossip(net, 2)
+    net.strangers["a1"] = {"p0"}
+    out = await a.exchange(0, contrib(0))  # no way to say hello: refused, solo
+    assert out.partner_id is None and out.refusals == {"unknown_peer": 1}
+
+    net = Net()
+    a, b = make_gossip(net, 2)
+    net.strangers = {"a1": {"p0"}, "a0": {"p1"}}  # neither has heard of the other
+    hellos: list[tuple[str, str]] = []
+
+    def introducer(me: str) -> Callable[[str], Awaitable[bool]]:
+        async def introduce(address: str) -> bool:
+            hellos.append((me, address))
+            net.strangers[address].discard(me)
+            return True
+
+        return introduce
+
+    a.introduce, b.introduce = introducer("p0"), introducer("p1")
+    ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
+    assert hellos and (ra.partner_id, rb.partner_id) == ("p1", "p0")
 
 
 async def test_request_for_a_round_not_reached_is_held_until_then() -> None:
