@@ -171,6 +171,9 @@ class SyncConfig:
     """Random wait for an incoming request before asking a partner (avoids everyone asking)."""
     ring_step_timeout_s: float = 10.0
     """Deadline of one ring all-reduce step; a missed one fails the round (solo fallback)."""
+    ring_inbox_bytes: int = 1 << 30
+    """Bytes of ring chunks that may wait here for rounds (started or not) before further
+    chunks are refused with ring_overload: a bound on what peers can make this node hold."""
     screen_multiple: float = 10.0
     """A partner's weights further from ours than this multiple of the median of the last
     accepted distances (before that: of our weights' RMS) are refused and the partner is

@@ -92,6 +92,7 @@ class StageSync:
             node.peer_id,
             codec=self.config.codec,
             step_timeout_s=self.config.ring_step_timeout_s,
+            max_held_bytes=self.config.ring_inbox_bytes,
             compute=self.runner.run,
         )
 

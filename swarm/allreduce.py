@@ -12,7 +12,9 @@ What a real network adds: every member must agree on the member list (each chunk
 a hash of it, and a mismatch aborts the round), a chunk may arrive before its receiver has
 started the round (it waits in a mailbox), and a member may die mid-ring: every wait has a
 deadline, and the round then fails with ``RingFailed`` so the caller can take its defined
-fallback (a solo step). A member sends its chunk of a step and waits for its neighbour's at
+fallback (a solo step). What waits in mailboxes is bounded: at most 64 rounds, and
+``max_held_bytes`` of chunks not yet taken (more is refused with ``ring_overload``), so
+peers cannot make a node hold unbounded memory. A member sends its chunk of a step and waits for its neighbour's at
 the same time. Chunk arithmetic runs through the ``compute`` seam (the daemon's
 compute thread), never on the event loop.
 """
@@ -23,7 +25,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -71,6 +73,8 @@ def members_hash(round_id: str, members: Sequence[str]) -> str:
 class _Round:
     members_hash: str
     inbox: dict[tuple[str, int], asyncio.Future[torch.Tensor]]
+    held: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Bytes of each delivered chunk not yet taken by the round."""
 
 
 class RingAllReduce:
@@ -85,6 +89,7 @@ class RingAllReduce:
         codec: str = "fp32",
         step_timeout_s: float = 10.0,
         compute: Compute[Any] | None = None,
+        max_held_bytes: int = 1 << 30,
     ) -> None:
         self.transport = transport
         self.clock = clock
@@ -93,6 +98,9 @@ class RingAllReduce:
         self.step_timeout_s = step_timeout_s
         self.compute: Compute[Any] = compute or _inline
         self._rounds: dict[str, _Round] = {}
+        self.max_held_bytes = max_held_bytes
+        self.held_bytes = 0
+        """Bytes of delivered chunks waiting in mailboxes."""
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -107,11 +115,22 @@ class RingAllReduce:
             raise Refused("ring_mismatch", f"round {chunk.round_id}: members differ")
         if chunk.phase not in ("reduce", "gather") or not 0 <= chunk.step < _MAX_RING_STEPS:
             raise Refused("bad_ring_step", f"no ring step {chunk.phase[:16]}/{chunk.step}", 400)
-        fut = rnd.inbox.setdefault((chunk.phase, chunk.step), _future())
+        key = (chunk.phase, chunk.step)
+        fut = rnd.inbox.setdefault(key, _future())
         if fut.done():
             raise Refused("ring_duplicate", f"chunk {chunk.phase}/{chunk.step} already received")
+        nbytes = sum(t.numel() * t.element_size() for t in chunk.tensors.values())
+        if self.held_bytes + nbytes > self.max_held_bytes:
+            raise Refused(
+                "ring_overload",
+                f"{self.held_bytes} bytes of ring chunks already wait here; {nbytes} more would "
+                f"pass the limit of {self.max_held_bytes} (sync.ring_inbox_bytes)",
+                503,
+            )
         fut.set_result(decode_tensor(chunk.tensors, chunk.meta))
-        self.bytes_received += sum(t.numel() * t.element_size() for t in chunk.tensors.values())
+        rnd.held[key] = nbytes
+        self.held_bytes += nbytes
+        self.bytes_received += nbytes
 
     async def allreduce(
         self, round_id: str, members: Sequence[Hop], flat: torch.Tensor
@@ -151,7 +170,7 @@ class RingAllReduce:
             await self.compute(partial(work.div_, n))
             return work
         finally:
-            self._rounds.pop(round_id, None)
+            self._drop(round_id)
 
     async def _exchange(self, rnd: _Round, right: Hop, msg: RingChunk) -> torch.Tensor:
         """Send our chunk of this step while waiting for our left neighbour's: one step costs
@@ -179,14 +198,21 @@ class RingAllReduce:
     async def _receive(self, rnd: _Round, phase: str, step: int) -> torch.Tensor:
         fut = rnd.inbox.setdefault((phase, step), _future())
         try:
-            return await asyncio.wait_for(fut, self.step_timeout_s)
+            got = await asyncio.wait_for(fut, self.step_timeout_s)
         except TimeoutError:
             raise RingFailed(f"no {phase}/{step} chunk within {self.step_timeout_s:.0f}s") from None
+        self.held_bytes -= rnd.held.pop((phase, step), 0)
+        return got
 
     def forget_stale(self, keep: Callable[[str], bool]) -> None:
         """Drop mailboxes of rounds ``keep`` rejects (chunks for rounds we will never run)."""
         for round_id in [r for r in self._rounds if not keep(r)]:
-            del self._rounds[round_id]
+            self._drop(round_id)
+
+    def _drop(self, round_id: str) -> None:
+        rnd = self._rounds.pop(round_id, None)
+        if rnd is not None:
+            self.held_bytes -= sum(rnd.held.values())
 
 
 def _future() -> asyncio.Future[torch.Tensor]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from protocol.messages import Ack, GossipRequest, Hop, Message, PeerRecord, RingChunk
+from protocol.quant import encode_tensor
 from swarm.allreduce import RingAllReduce, RingFailed, chunk_bounds, ring_steps
 from swarm.gossip import Contribution, GossipConfig, GossipService
 from swarm.seams import MonotonicClock, Refused, TransportError
@@ -123,6 +124,44 @@ async def test_ring_members_disagree() -> None:
         return_exceptions=True,
     )
     assert all(isinstance(r, RingFailed) for r in results)
+
+
+def chunk(round_id: str, step: int, numel: int, members_hash: str = "h") -> RingChunk:
+    tensors, meta = encode_tensor(torch.ones(numel), "fp32", name="c")
+    return RingChunk(
+        round_id=round_id,
+        members_hash=members_hash,
+        phase="reduce",
+        step=step,
+        meta=meta,
+        tensors=tensors,
+    )
+
+
+async def test_ring_mailboxes_hold_a_bounded_number_of_bytes() -> None:
+    ring = RingAllReduce(Net(), MonotonicClock(), "p0", max_held_bytes=1000)
+    for step in range(2):  # 2 x 400 bytes wait for a round not started here
+        ring.deliver(chunk("early", step, 100))
+    assert ring.held_bytes == 800
+    with pytest.raises(Refused) as e:
+        ring.deliver(chunk("other", 0, 100))
+    assert e.value.code == "ring_overload" and "sync.ring_inbox_bytes" in e.value.message
+    ring.forget_stale(lambda round_id: round_id != "early")
+    assert ring.held_bytes == 0
+    ring.deliver(chunk("other", 0, 100))  # room again
+
+
+async def test_a_finished_ring_round_holds_no_bytes() -> None:
+    net = Net()
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(3)]
+    for m in members:
+        net.rings[m.address] = RingAllReduce(
+            net, MonotonicClock(), m.peer_id, step_timeout_s=2.0, max_held_bytes=1 << 20
+        )
+    await asyncio.gather(
+        *(net.rings[m.address].allreduce("r", members, torch.ones(30)) for m in members)
+    )
+    assert all(r.held_bytes == 0 for r in net.rings.values())
 
 
 # ---- NoLoCo matchmaking ------------------------------------------------------------------
