@@ -125,7 +125,11 @@ class RecoveryService:
         assert runner is not None
         try:
             params = await runner.run(runner.params)
-            msg = HeadBackup(step=runner.step, tensors={f"param.{k}": v for k, v in params.items()})
+            msg = HeadBackup(
+                step=runner.step,
+                sender=self.node.peer_id,
+                tensors={f"param.{k}": v for k, v in params.items()},
+            )
             for peer in self.node.table.replicas(1)[:2]:
                 try:
                     await self.node.link.request(peer.address, msg, 30.0, peer.peer_id)
@@ -137,6 +141,12 @@ class RecoveryService:
     def on_head_backup(self, msg: HeadBackup) -> None:
         if self.node.stage != 1:
             raise Refused("wrong_stage", "head backups are kept by stage-1 replicas")
+        sender = self.node.table.get(msg.sender)
+        if sender is not None and sender.stage != 0:  # unknown senders the guard refused
+            raise Refused(
+                "wrong_stage",
+                f"head backup from peer {msg.sender[:8]} of stage {sender.stage}, not a head",
+            )
         if msg.step >= self.head_backup_step:
             self.head_backup = (msg.step, dict(msg.tensors))
 
@@ -267,7 +277,7 @@ class RecoveryService:
         return plan
 
     async def _broadcast_rollback(self, stage: int, step: int) -> None:
-        msg = Rollback(stage=stage, step=step)
+        msg = Rollback(stage=stage, step=step, sender=self.node.peer_id)
 
         async def tell(peer: PeerRecord) -> None:
             try:

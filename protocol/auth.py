@@ -59,9 +59,11 @@ from protocol.messages import (
     Error,
     Forward,
     GossipRequest,
+    HeadBackup,
     Hello,
     Leave,
     Message,
+    Rollback,
     Welcome,
 )
 
@@ -187,7 +189,7 @@ def claimed_sender(msg: Message) -> str | None:
         return msg.sender.peer_id
     if isinstance(msg, Leave):
         return msg.peer_id
-    if isinstance(msg, GossipRequest):
+    if isinstance(msg, GossipRequest | HeadBackup | Rollback):
         return msg.sender
     if isinstance(msg, Forward) and msg.path:
         return msg.path[-1].peer_id  # each hop appends itself before sending on

@@ -204,6 +204,8 @@ class HeadBackup(Message):
 
     TYPE: ClassVar[str] = "head_backup"
     step: int
+    sender: str
+    """The head node whose weights these are (only head-stage peers we know may send them)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ class Rollback(Message):
     TYPE: ClassVar[str] = "rollback"
     stage: int
     step: int
+    sender: str
+    """The restarted node asking for the rollback (only peers we know may ask)."""
 
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = {

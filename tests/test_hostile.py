@@ -29,11 +29,13 @@ from protocol.messages import (
     Error,
     Forward,
     GossipRequest,
+    HeadBackup,
     Hello,
     Hop,
     Message,
     PeerRecord,
     RingChunk,
+    Rollback,
     decode_message,
     encode_message,
 )
@@ -222,6 +224,13 @@ async def test_unknown_and_banned_peers_are_refused(make_node: Any) -> None:
     await refused(node, forward(sender=STRANGER), "unknown_peer", 403)
     gossip = GossipRequest(stage=1, round=0, sender=STRANGER, meta={})
     await refused(node, gossip, "unknown_peer", 403)
+    await refused(node, HeadBackup(step=1, sender=STRANGER), "unknown_peer", 403)
+    await refused(node, Rollback(stage=2, step=1, sender=STRANGER), "unknown_peer", 403)
+    # a known peer, but not a head node: its "head backup" is not kept
+    await refused(node, HeadBackup(step=1, sender=OTHER), "wrong_stage", 409)
+    assert node.recovery.head_backup is None
+    assert (await post(node, HeadBackup(step=1, sender=HEAD)))[0] == 200
+    assert node.recovery.head_backup is not None and node.recovery.head_backup[0] == 1
     node.guard.ban(HEAD, "gossip", "too_far", "test")
     await refused(node, forward(), "banned", 403)
     hello = Hello(

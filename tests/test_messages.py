@@ -66,8 +66,8 @@ def test_every_message_type_round_trips() -> None:
             meta={},
             tensors={"c": torch.ones(5)},
         ),
-        HeadBackup(step=3, tensors={"param.lm_head.weight": torch.ones(2, 2)}),
-        Rollback(stage=2, step=40),
+        HeadBackup(step=3, sender="p" * 32, tensors={"param.lm_head.weight": torch.ones(2, 2)}),
+        Rollback(stage=2, step=40, sender="p" * 32),
     ]
     assert {type(m) for m in msgs} == set(MESSAGE_TYPES.values())
     for msg in msgs:
