@@ -58,7 +58,7 @@ from protocol.messages import (
     StageState,
     expect,
 )
-from protocol.quant import decode_tensor, encode_tensor
+from protocol.quant import all_finite, decode_tensor, encode_tensor
 from swarm.discovery import (
     ZeroconfDiscovery,
     announce_addresses,
@@ -614,7 +614,7 @@ class Node:
                 f"expected [batch, seq<={self.config.model.max_seq_len}, {d}], got {list(x.shape)}",
                 400,
             )
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise Refused("non_finite", "tensor contains NaN or infinite values", 400)
         return x
 

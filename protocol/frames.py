@@ -84,6 +84,8 @@ _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
 _HEADER_KEYS = frozenset({"type", "fields", "tensors"})
 _NOT_WRITABLE = "The given buffer is not writable"
+_quiet_views = False
+"""True once torch's warning about views of read-only buffers has been issued (silenced)."""
 
 assert PREFIX_BYTES == 12
 
@@ -146,6 +148,13 @@ def _align(n: int) -> int:
 # --------------------------------------------------------------------------- encoding
 
 
+_PLAIN_TYPES = frozenset({type(None), bool, str, float, int})
+
+
+def _fits(n: int) -> bool:
+    return _INT_MIN <= n <= _INT_MAX
+
+
 def _normalize(value: Any, path: str, depth: int) -> Any:
     """Copy of a header field value as plain dicts and lists; ValueError if not allowed."""
     if value is None or isinstance(value, bool | str):
@@ -158,15 +167,23 @@ def _normalize(value: Any, path: str, depth: int) -> Any:
         return int(value)
     if depth >= MAX_NESTING:
         raise ValueError(f"{path}: fields nest deeper than {MAX_NESTING} levels")
+    # Items of exactly a plain type pass as they are; only others need a path formatted
+    # (formatting one per item took a third of a small frame's encoding; bench/perf.py).
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{path}: map key {key!r} is not a str")
-            out[key] = _normalize(item, f"{path}[{key!r}]", depth + 1)
+            plain = type(item) in _PLAIN_TYPES and (type(item) is not int or _fits(item))
+            out[key] = item if plain else _normalize(item, f"{path}[{key!r}]", depth + 1)
         return out
     if isinstance(value, list | tuple):
-        return [_normalize(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        return [
+            item
+            if type(item) in _PLAIN_TYPES and (type(item) is not int or _fits(item))
+            else _normalize(item, f"{path}[{i}]", depth + 1)
+            for i, item in enumerate(value)
+        ]
     if isinstance(value, bytes | bytearray | memoryview | torch.Tensor):
         raise ValueError(
             f"{path}: {type(value).__name__} is not allowed in header fields; "
@@ -496,25 +513,36 @@ def decode_frame(
             f"frame is {size} bytes but its header and tensor table end at byte {expected}"
         )
 
-    tensors: dict[str, torch.Tensor] = {}
-    # torch warns (once per process) that a read-only buffer gives a writable tensor; the
-    # views are read-only by contract, so silence exactly that warning for these calls.
-    with warnings.catch_warnings():
-        if view.readonly:
+    global _quiet_views
+    if view.readonly and not _quiet_views:
+        # torch warns (once per process: a flag in its C++ code) that a read-only buffer
+        # gives a writable tensor; the views are read-only by contract, so that warning is
+        # silenced the first time, and later decodes skip the cost of catching warnings.
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_WRITABLE, category=UserWarning)
-        for e in entries:
-            if e.numel == 0:
-                tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
-                continue
-            start = tail_start + e.offset
-            if e.dtype == torch.bool:
-                raw = torch.frombuffer(view, dtype=torch.uint8, count=e.nbytes, offset=start)
-                if int(raw.max()) > 1:
-                    raise BadTensorSpec(
-                        f"bool tensor {_short(e.name)} holds bytes other than 0 and 1"
-                    )
-                flat = raw.view(torch.bool)
-            else:
-                flat = torch.frombuffer(view, dtype=e.dtype, count=e.numel, offset=start)
-            tensors[e.name] = flat.reshape(e.shape)
+            tensors = _tensor_views(view, entries, tail_start)
+        _quiet_views = any(e.numel for e in entries)  # the warning has been issued
+    else:
+        tensors = _tensor_views(view, entries, tail_start)
     return msg_type, fields, tensors
+
+
+def _tensor_views(
+    view: memoryview, entries: list[_Entry], tail_start: int
+) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors over the frame's tail, as the table describes them."""
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        if e.numel == 0:
+            tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+            continue
+        start = tail_start + e.offset
+        if e.dtype == torch.bool:
+            raw = torch.frombuffer(view, dtype=torch.uint8, count=e.nbytes, offset=start)
+            if int(raw.max()) > 1:
+                raise BadTensorSpec(f"bool tensor {_short(e.name)} holds bytes other than 0 and 1")
+            flat = raw.view(torch.bool)
+        else:
+            flat = torch.frombuffer(view, dtype=e.dtype, count=e.numel, offset=start)
+        tensors[e.name] = flat.reshape(e.shape)
+    return tensors

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
@@ -270,7 +270,12 @@ def _wire_fields(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.name != "tensors"]
 
 
+_SCALAR_TYPES = frozenset({type(None), bool, str, float, int})
+
+
 def _to_wire(value: Any) -> Any:
+    if type(value) in _SCALAR_TYPES:
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list | tuple):
@@ -278,74 +283,139 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+Checker = Callable[[Any, str], Any]
+"""Converts a decoded header value to its field's type, or raises ``MalformedMessage``."""
+_CHECKERS: dict[Any, Checker] = {}
+_PLANS: dict[type, list[tuple[str, Checker, bool]]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    """``cls``'s resolved field types, once per class: resolving the string annotations on
-    every decode took most of a small message's decoding time (``bench/perf.py``)."""
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
+def _plan(cls: type) -> list[tuple[str, Checker, bool]]:
+    """``(name, checker, required)`` per wire field of ``cls``, built once per class:
+    resolving annotations and dispatching on them per decode took most of a small message's
+    decoding time (``bench/perf.py``, hop latency)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = typing.get_type_hints(cls)
+        plan = _PLANS[cls] = [
+            (
+                f.name,
+                _checker(hints[f.name]),
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(cls)
+            if f.name != "tensors"
+        ]
+    return plan
 
 
 def _from_fields(cls: type[M], fields: Mapping[str, Any], tensors: _Tensors) -> M:
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in _wire_fields(cls):
-        if f.name in fields:
-            kwargs[f.name] = _check(fields[f.name], hints[f.name], f"{cls.TYPE}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise MalformedMessage(f"{cls.TYPE} message lacks field {f.name!r}")
+    for name, check, required in _plan(cls):
+        if name in fields:
+            kwargs[name] = check(fields[name], f"{cls.TYPE}.{name}")
+        elif required:
+            raise MalformedMessage(f"{cls.TYPE} message lacks field {name!r}")
     return cls(**kwargs, tensors=tensors)
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """``value`` converted to ``hint`` if it has that shape, else ``MalformedMessage``."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _check(value, option, where)
-            except MalformedMessage:
-                continue
-        raise MalformedMessage(f"{where}: {type(value).__name__} is not {hint}")
-    if hint is type(None):
-        if value is None:
-            return None
-    elif origin is list:
-        if isinstance(value, list):
-            (item,) = typing.get_args(hint)
-            return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict:
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return value
-    elif dataclasses.is_dataclass(hint):
-        if isinstance(value, dict):
-            return _from_record(hint, value, where)
-    elif hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is Any or isinstance(value, hint):
-        return value
-    raise MalformedMessage(
+def _from_record(cls: Any, value: Mapping[str, Any], where: str) -> Any:
+    kwargs = {}
+    for name, check, required in _plan(cls):
+        if name in value:
+            kwargs[name] = check(value[name], f"{where}.{name}")
+        elif required:
+            raise MalformedMessage(f"{where} lacks field {name!r}")
+    return cls(**kwargs)
+
+
+def _checker(hint: Any) -> Checker:
+    check = _CHECKERS.get(hint)
+    if check is None:
+        check = _CHECKERS[hint] = _make_checker(hint)
+    return check
+
+
+def _wrong(value: Any, hint: Any, where: str) -> MalformedMessage:
+    return MalformedMessage(
         f"{where}: {type(value).__name__} is not {getattr(hint, '__name__', hint)}"
     )
 
 
-def _from_record(cls: Any, value: Mapping[str, Any], where: str) -> Any:
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in value:
-            kwargs[f.name] = _check(value[f.name], hints[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING:
-            raise MalformedMessage(f"{where} lacks field {f.name!r}")
-    return cls(**kwargs)
+def _make_checker(hint: Any) -> Checker:
+    """The checker of one field type: the wire carries only what msgpack gives (None, bool,
+    int, float, str, list, str-keyed dict), so a value has its field's shape or is refused."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = [_checker(option) for option in typing.get_args(hint)]
+
+        def union(value: Any, where: str) -> Any:
+            for option in options:
+                try:
+                    return option(value, where)
+                except MalformedMessage:
+                    continue
+            raise MalformedMessage(f"{where}: {type(value).__name__} is not {hint}")
+
+        return union
+    if hint is type(None):
+
+        def none(value: Any, where: str) -> Any:
+            if value is None:
+                return None
+            raise _wrong(value, hint, where)
+
+        return none
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        item = _checker(item_hint)
+
+        def items(value: Any, where: str) -> Any:
+            if isinstance(value, list):
+                return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            raise _wrong(value, hint, where)
+
+        return items
+    if origin is dict:
+
+        def mapping(value: Any, where: str) -> Any:
+            if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+                return value
+            raise _wrong(value, hint, where)
+
+        return mapping
+    if dataclasses.is_dataclass(hint):
+
+        def record(value: Any, where: str) -> Any:
+            if isinstance(value, dict):
+                return _from_record(hint, value, where)
+            raise _wrong(value, hint, where)
+
+        return record
+    if hint is float:
+
+        def real(value: Any, where: str) -> Any:
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+            raise _wrong(value, hint, where)
+
+        return real
+    if hint is int:
+
+        def integer(value: Any, where: str) -> Any:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise _wrong(value, hint, where)
+
+        return integer
+    if hint is Any:
+        return lambda value, where: value
+
+    def instance(value: Any, where: str) -> Any:
+        if isinstance(value, hint):
+            return value
+        raise _wrong(value, hint, where)
+
+    return instance
 
 
 def hops(path: Sequence[Hop]) -> str:

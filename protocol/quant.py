@@ -248,3 +248,13 @@ def decode_tensor(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) 
             f"{codec} of shape {shape}"
         )
     return t.to(torch.float32)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True when ``x`` (floating point) holds no NaN or infinity: its minimum and maximum are
+    finite exactly then (NaN propagates through both). One reduction, no mask: about six
+    times cheaper than ``isfinite(x).all()`` on a small activation (``bench/perf.py``)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))

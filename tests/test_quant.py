@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from protocol.quant import (
     CODECS,
     DEFAULT_BLOCK,
     Quantized,
+    all_finite,
     decode_tensor,
     dequantize_blockwise,
     encode_tensor,
@@ -212,3 +214,14 @@ def test_codec_errors() -> None:
     with pytest.raises(BadTensorSpec):
         decode_tensor(tensors, {**meta, "codec": "bf16"})
     assert issubclass(MalformedMessage, ProtocolError)
+
+
+def test_all_finite_finds_any_nan_or_infinity() -> None:
+    x = torch.randn(2, 16, 8)
+    assert all_finite(x) and all_finite(torch.empty(0))
+    assert all_finite(torch.full((4,), 3e38))  # huge but finite: a sum would overflow
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[1, 7, 3] = bad
+        assert not all_finite(y)
+        assert not all_finite(y.to(torch.bfloat16))
