@@ -29,6 +29,16 @@ BASE = {
 }
 
 
+def slowed(stage: int, delay_s: float) -> dict[str, str]:
+    """Settings that make every forward on ``stage`` sleep ``delay_s`` (8 x 64-token batches)."""
+    return {
+        "train.compute_delay_s": str(delay_s),
+        "train.compute_delay_stages": str(stage),
+        "data.batch_size": "8",
+        "data.seq_len": "64",
+    }
+
+
 def stages(addresses: list[str]) -> Counter[int]:
     """Block stages served by these nodes (each asked directly), ready ones only."""
     out: Counter[int] = Counter()
@@ -75,13 +85,7 @@ def test_six_auto_nodes_spread_evenly_and_refill_a_killed_stage(tmp_path: Path) 
 
 def test_a_slowed_stage_attracts_more_nodes(tmp_path: Path) -> None:
     # every forward on stage 2 sleeps 0.5 s: its replicas serve a fraction of the others
-    settings = {
-        "train.compute_delay_s": "0.5",
-        "train.compute_delay_stages": "2",
-        "data.batch_size": "8",
-        "data.seq_len": "64",
-    }
-    s, head, autos = start(tmp_path, settings)
+    s, head, autos = start(tmp_path, slowed(2, 0.5))
     try:
 
         def crowded() -> Counter[int] | None:
@@ -103,14 +107,7 @@ def test_a_move_drains_and_carries_the_new_stages_weights(tmp_path: Path) -> Non
     # stages 1 and 3. Stage 2 is slowed, so the bottleneck is its single replica and the only
     # move that helps is an auto node of stage 1 or 3 going there (its stage keeps the pinned
     # replica). The mover must drain, then copy stage 2's weights from its live replica.
-    settings = {
-        **BASE,
-        "train.compute_delay_s": "0.3",
-        "train.compute_delay_stages": "2",
-        "data.batch_size": "8",
-        "data.seq_len": "64",
-    }
-    s = LocalSwarm(tmp_path, settings)
+    s = LocalSwarm(tmp_path, {**BASE, **slowed(2, 0.3)})
     try:
         head = s.start_node(0)
         wait_ready(head, 90, s)
