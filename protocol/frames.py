@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -151,12 +151,41 @@ def _align(n: int) -> int:
 _PLAIN_TYPES = frozenset({type(None), bool, str, float, int})
 
 
-def _fits(n: int) -> bool:
-    return _INT_MIN <= n <= _INT_MAX
+def _is_plain(item: Any) -> bool:
+    """True for a value that goes into a header as it is: None, bool, str, float, or an int
+    that fits in 64 bits, of exactly that type (subclasses take ``_normalize``'s path)."""
+    kind = type(item)
+    return kind in _PLAIN_TYPES and (kind is not int or _INT_MIN <= item <= _INT_MAX)
 
 
 def _normalize(value: Any, path: str, depth: int) -> Any:
-    """Copy of a header field value as plain dicts and lists; ValueError if not allowed."""
+    """Copy of a header field value as plain dicts and lists; ValueError if not allowed.
+
+    Plain items of plain dicts and lists are taken as they are; only other values need a
+    path formatted (formatting one per item took a third of a small frame's encoding, and
+    ``isinstance`` against ``Mapping`` a tenth; ``bench/perf.py``, hop latency)."""
+    kind = type(value)
+    if depth < MAX_NESTING:
+        if kind is dict:
+            out: dict[str, Any] = {}
+            for key, item in value.items():
+                if type(key) is not str:
+                    return _normalize_slow(value, path, depth)
+                out[key] = (
+                    item if _is_plain(item) else _normalize(item, f"{path}[{key!r}]", depth + 1)
+                )
+            return out
+        if kind is list:
+            return [
+                item if _is_plain(item) else _normalize(item, f"{path}[{i}]", depth + 1)
+                for i, item in enumerate(value)
+            ]
+    return _normalize_slow(value, path, depth)
+
+
+def _normalize_slow(value: Any, path: str, depth: int) -> Any:
+    """``_normalize`` for everything but plain dicts and lists: scalars and their subclasses,
+    other mappings and sequences, and the errors."""
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, float):
@@ -167,21 +196,16 @@ def _normalize(value: Any, path: str, depth: int) -> Any:
         return int(value)
     if depth >= MAX_NESTING:
         raise ValueError(f"{path}: fields nest deeper than {MAX_NESTING} levels")
-    # Items of exactly a plain type pass as they are; only others need a path formatted
-    # (formatting one per item took a third of a small frame's encoding; bench/perf.py).
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{path}: map key {key!r} is not a str")
-            plain = type(item) in _PLAIN_TYPES and (type(item) is not int or _fits(item))
-            out[key] = item if plain else _normalize(item, f"{path}[{key!r}]", depth + 1)
+            out[key] = item if _is_plain(item) else _normalize(item, f"{path}[{key!r}]", depth + 1)
         return out
     if isinstance(value, list | tuple):
         return [
-            item
-            if type(item) in _PLAIN_TYPES and (type(item) is not int or _fits(item))
-            else _normalize(item, f"{path}[{i}]", depth + 1)
+            item if _is_plain(item) else _normalize(item, f"{path}[{i}]", depth + 1)
             for i, item in enumerate(value)
         ]
     if isinstance(value, bytes | bytearray | memoryview | torch.Tensor):
@@ -197,10 +221,12 @@ def _normalize(value: Any, path: str, depth: int) -> Any:
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """A flat byte memoryview over a contiguous CPU tensor's own memory; keeps it alive."""
-    assert t.device.type == "cpu" and t.is_contiguous()
+    assert t.is_cpu and t.is_contiguous()
+    if t.dim() == 0:  # a dtype view needs a dimension to widen
+        t = t.reshape(1)
     # The ndarray's base is the uint8 view tensor, which holds the storage.
-    view: memoryview = t.reshape(-1).view(torch.uint8).numpy().data
-    return view
+    view: memoryview = t.view(torch.uint8).numpy().data
+    return view.cast("B")
 
 
 def encode_frame(
@@ -232,12 +258,12 @@ def encode_frame(
         if tensor.layout != torch.strided:
             raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors")
         wire_dtype = dtype_name(tensor.dtype)
-        t = tensor.detach()
-        if t.device.type != "cpu":
+        t = tensor.detach() if tensor.requires_grad else tensor
+        if not t.is_cpu:
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         offset = 0
         if nbytes:
             offset = _align(cursor)
@@ -337,8 +363,29 @@ def _short(value: Any, limit: int = 80) -> str:
 _SCALARS = (type(None), bool, int, float, str)
 
 
+_SCALAR_KINDS = frozenset(_SCALARS)
+
+
+def _fields_ok(value: Any, depth: int) -> bool:
+    """True if a decoded header value holds only what the encoder produces. msgpack gives
+    values of exactly these types, so the check is by identity, and without paths: only a
+    refused frame needs ``_check_field_value`` to say where (``bench/perf.py``, hop latency)."""
+    kind = type(value)
+    if kind is dict:
+        return depth < MAX_NESTING and all(
+            type(key) is str and (type(item) in _SCALAR_KINDS or _fields_ok(item, depth + 1))
+            for key, item in value.items()
+        )
+    if kind is list:
+        return depth < MAX_NESTING and all(
+            type(item) in _SCALAR_KINDS or _fields_ok(item, depth + 1) for item in value
+        )
+    return kind in _SCALAR_KINDS
+
+
 def _check_field_value(value: Any, path: str, depth: int) -> None:
-    """Reject decoded header values the encoder never produces (bin, ext, deep nesting)."""
+    """Reject decoded header values the encoder never produces (bin, ext, deep nesting),
+    saying where."""
     if isinstance(value, _SCALARS):
         return
     if depth >= MAX_NESTING:
@@ -386,14 +433,15 @@ def _unpack_header(view: memoryview, header_len: int) -> tuple[str, dict[str, An
         raise MalformedHeader(f"header 'type' must be a non-empty str, got {_short(msg_type)}")
     if not isinstance(fields, dict):
         raise MalformedHeader(f"header 'fields' must be a map, got {type(fields).__name__}")
-    _check_field_value(fields, "fields", 0)
+    if not _fields_ok(fields, 0):
+        _check_field_value(fields, "fields", 0)
+        raise AssertionError("unreachable: _check_field_value refuses what _fields_ok does")
     if not isinstance(table, list):
         raise MalformedHeader(f"header 'tensors' must be a list, got {type(table).__name__}")
     return msg_type, fields, table
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -406,53 +454,62 @@ def _is_int(value: Any) -> bool:
     return type(value) is int  # bool is an int subclass; msgpack true must not pass
 
 
+def _label(name: str) -> str:
+    """How errors name a tensor (formatted only when one is raised)."""
+    return f"tensor {_short(name)}"
+
+
 def _parse_entry(index: int, entry: Any, tail_bytes: int, limits: Limits) -> _Entry:
-    where = f"tensor table entry {index}"
     if not isinstance(entry, list) or len(entry) != 5:
         raise MalformedHeader(
-            f"{where} must be [name, dtype, shape, offset, nbytes], got {_short(entry)}"
+            f"tensor table entry {index} must be [name, dtype, shape, offset, nbytes], got {_short(entry)}"
         )
     name, dtype_str, shape, offset, nbytes = entry
     if not isinstance(name, str):
-        raise MalformedHeader(f"{where}: name must be a str, got {type(name).__name__}")
-    where = f"tensor {_short(name)}"
+        raise MalformedHeader(
+            f"tensor table entry {index}: name must be a str, got {type(name).__name__}"
+        )
     if not isinstance(dtype_str, str):
-        raise MalformedHeader(f"{where}: dtype must be a str, got {type(dtype_str).__name__}")
+        raise MalformedHeader(
+            f"{_label(name)}: dtype must be a str, got {type(dtype_str).__name__}"
+        )
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-        raise MalformedHeader(f"{where}: shape must be a list of ints, got {_short(shape)}")
+        raise MalformedHeader(f"{_label(name)}: shape must be a list of ints, got {_short(shape)}")
     if not _is_int(offset) or not _is_int(nbytes):
         raise MalformedHeader(
-            f"{where}: offset and nbytes must be ints, got {_short(offset)}, {_short(nbytes)}"
+            f"{_label(name)}: offset and nbytes must be ints, got {_short(offset)}, {_short(nbytes)}"
         )
     dtype = DTYPES.get(dtype_str)
     if dtype is None:
         raise UnsupportedDtype(
-            f"{where} has dtype {_short(dtype_str)}; supported: {', '.join(DTYPES)}"
+            f"{_label(name)} has dtype {_short(dtype_str)}; supported: {', '.join(DTYPES)}"
         )
     if len(shape) > limits.max_tensor_dims:
         raise BadTensorSpec(
-            f"{where} has {len(shape)} dimensions, limit is {limits.max_tensor_dims}"
+            f"{_label(name)} has {len(shape)} dimensions, limit is {limits.max_tensor_dims}"
         )
     if any(d < 0 for d in shape):
-        raise BadTensorSpec(f"{where} has a negative dimension in shape {shape}")
+        raise BadTensorSpec(f"{_label(name)} has a negative dimension in shape {shape}")
     numel = math.prod(shape)
     if numel == 0 and math.prod(max(d, 1) for d in shape) > limits.max_frame_bytes:
         # Nothing else bounds the other dimensions of an empty tensor; torch would overflow.
         raise BadTensorSpec(
-            f"{where}: empty shape {shape} has dimensions larger than any frame "
+            f"{_label(name)}: empty shape {shape} has dimensions larger than any frame "
             f"({limits.max_frame_bytes} bytes)"
         )
     itemsize = dtype.itemsize
     if nbytes != numel * itemsize:
         raise BadTensorSpec(
-            f"{where}: shape {shape} of {dtype_str} needs {numel * itemsize} bytes, "
+            f"{_label(name)}: shape {shape} of {dtype_str} needs {numel * itemsize} bytes, "
             f"table says {nbytes}"
         )
     if offset < 0 or offset % ALIGN:
-        raise BadTensorSpec(f"{where}: offset {offset} is not a non-negative multiple of {ALIGN}")
+        raise BadTensorSpec(
+            f"{_label(name)}: offset {offset} is not a non-negative multiple of {ALIGN}"
+        )
     if offset + nbytes > tail_bytes:
         raise TruncatedFrame(
-            f"{where} occupies tail bytes [{offset}, {offset + nbytes}) "
+            f"{_label(name)} occupies tail bytes [{offset}, {offset + nbytes}) "
             f"but the frame has only {tail_bytes} tail bytes"
         )
     return _Entry(name, dtype, tuple(shape), numel, offset, nbytes)
@@ -544,5 +601,5 @@ def _tensor_views(
             flat = raw.view(torch.bool)
         else:
             flat = torch.frombuffer(view, dtype=e.dtype, count=e.numel, offset=start)
-        tensors[e.name] = flat.reshape(e.shape)
+        tensors[e.name] = flat.view(e.shape)
     return tensors

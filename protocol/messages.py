@@ -244,7 +244,7 @@ M = TypeVar("M", bound=Message)
 
 def encode_message(msg: Message) -> list[bytes | memoryview]:
     """The frame buffers for ``msg``, tensors sent from their own memory."""
-    fields = {f.name: _to_wire(getattr(msg, f.name)) for f in _wire_fields(type(msg))}
+    fields = {name: _to_wire(getattr(msg, name)) for name in _field_names(type(msg))}
     return encode_frame(msg.TYPE, fields, msg.tensors)
 
 
@@ -266,25 +266,52 @@ def expect(msg: Message, cls: type[M]) -> M:
     raise MalformedMessage(f"expected {cls.TYPE!r} reply, got {msg.TYPE!r}")
 
 
-def _wire_fields(cls: type) -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(cls) if f.name != "tensors"]
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The wire fields of dataclass ``cls`` (all but ``tensors``), listed once per class."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(
+            f.name for f in dataclasses.fields(cls) if f.name != "tensors"
+        )
+    return names
 
 
 _SCALAR_TYPES = frozenset({type(None), bool, str, float, int})
 
 
 def _to_wire(value: Any) -> Any:
-    if type(value) in _SCALAR_TYPES:
+    """``value`` with records (dataclasses) turned into maps; ``protocol.frames`` checks the rest."""
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
         return value
+    if kind is list or kind is tuple:
+        return [v if type(v) in _SCALAR_TYPES else _to_wire(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list | tuple):
-        return [_to_wire(v) for v in value]
+        return {name: _to_wire(getattr(value, name)) for name in _field_names(kind)}
     return value
 
 
-Checker = Callable[[Any, str], Any]
-"""Converts a decoded header value to its field's type, or raises ``MalformedMessage``."""
+class _Bad(Exception):
+    """A decoded field value of the wrong shape. Raised without a location, which the
+    containers it passes through add on its way up: a path is formatted only for a refused
+    message, not for every field of every accepted one (``bench/perf.py``, hop latency)."""
+
+    def __init__(self, problem: str, sep: str = ": ") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.sep = sep
+        self.where: list[str] = []
+        """Location steps, innermost first (".name", "[3]")."""
+
+    def located(self, outer: str) -> MalformedMessage:
+        return MalformedMessage(f"{outer}{''.join(reversed(self.where))}{self.sep}{self.problem}")
+
+
+Checker = Callable[[Any], Any]
+"""Converts a decoded header value to its field's type, or raises ``_Bad``."""
 _CHECKERS: dict[Any, Checker] = {}
 _PLANS: dict[type, list[tuple[str, Checker, bool]]] = {}
 
@@ -308,24 +335,27 @@ def _plan(cls: type) -> list[tuple[str, Checker, bool]]:
     return plan
 
 
-def _from_fields(cls: type[M], fields: Mapping[str, Any], tensors: _Tensors) -> M:
+def _kwargs(cls: type, value: Mapping[str, Any]) -> dict[str, Any]:
+    """The constructor arguments of record ``cls`` from its decoded map."""
     kwargs: dict[str, Any] = {}
     for name, check, required in _plan(cls):
-        if name in fields:
-            kwargs[name] = check(fields[name], f"{cls.TYPE}.{name}")
-        elif required:
-            raise MalformedMessage(f"{cls.TYPE} message lacks field {name!r}")
-    return cls(**kwargs, tensors=tensors)
-
-
-def _from_record(cls: Any, value: Mapping[str, Any], where: str) -> Any:
-    kwargs = {}
-    for name, check, required in _plan(cls):
         if name in value:
-            kwargs[name] = check(value[name], f"{where}.{name}")
+            try:
+                kwargs[name] = check(value[name])
+            except _Bad as e:
+                e.where.append(f".{name}")
+                raise
         elif required:
-            raise MalformedMessage(f"{where} lacks field {name!r}")
-    return cls(**kwargs)
+            raise _Bad(f"lacks field {name!r}", sep=" ")
+    return kwargs
+
+
+def _from_fields(cls: type[M], fields: Mapping[str, Any], tensors: _Tensors) -> M:
+    try:
+        kwargs = _kwargs(cls, fields)
+    except _Bad as e:
+        raise e.located(cls.TYPE) from None
+    return cls(**kwargs, tensors=tensors)
 
 
 def _checker(hint: Any) -> Checker:
@@ -335,10 +365,8 @@ def _checker(hint: Any) -> Checker:
     return check
 
 
-def _wrong(value: Any, hint: Any, where: str) -> MalformedMessage:
-    return MalformedMessage(
-        f"{where}: {type(value).__name__} is not {getattr(hint, '__name__', hint)}"
-    )
+def _wrong(value: Any, hint: Any) -> _Bad:
+    return _Bad(f"{type(value).__name__} is not {getattr(hint, '__name__', hint)}")
 
 
 def _make_checker(hint: Any) -> Checker:
@@ -348,74 +376,88 @@ def _make_checker(hint: Any) -> Checker:
     if origin in (Union, types.UnionType):
         options = [_checker(option) for option in typing.get_args(hint)]
 
-        def union(value: Any, where: str) -> Any:
+        def union(value: Any) -> Any:
             for option in options:
                 try:
-                    return option(value, where)
-                except MalformedMessage:
+                    return option(value)
+                except _Bad:
                     continue
-            raise MalformedMessage(f"{where}: {type(value).__name__} is not {hint}")
+            raise _Bad(f"{type(value).__name__} is not {hint}")
 
         return union
     if hint is type(None):
 
-        def none(value: Any, where: str) -> Any:
+        def none(value: Any) -> Any:
             if value is None:
                 return None
-            raise _wrong(value, hint, where)
+            raise _wrong(value, hint)
 
         return none
     if origin is list:
         (item_hint,) = typing.get_args(hint)
         item = _checker(item_hint)
 
-        def items(value: Any, where: str) -> Any:
-            if isinstance(value, list):
-                return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
-            raise _wrong(value, hint, where)
+        def items(value: Any) -> Any:
+            if not isinstance(value, list):
+                raise _wrong(value, hint)
+            try:
+                return [item(v) for v in value]
+            except _Bad as e:
+                index = next(i for i, v in enumerate(value) if not _passes(item, v))
+                e.where.append(f"[{index}]")
+                raise
 
         return items
     if origin is dict:
 
-        def mapping(value: Any, where: str) -> Any:
+        def mapping(value: Any) -> Any:
             if isinstance(value, dict) and all(isinstance(k, str) for k in value):
                 return value
-            raise _wrong(value, hint, where)
+            raise _wrong(value, hint)
 
         return mapping
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        record_cls: type = hint
 
-        def record(value: Any, where: str) -> Any:
+        def record(value: Any) -> Any:
             if isinstance(value, dict):
-                return _from_record(hint, value, where)
-            raise _wrong(value, hint, where)
+                return record_cls(**_kwargs(record_cls, value))
+            raise _wrong(value, hint)
 
         return record
     if hint is float:
 
-        def real(value: Any, where: str) -> Any:
+        def real(value: Any) -> Any:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 return float(value)
-            raise _wrong(value, hint, where)
+            raise _wrong(value, hint)
 
         return real
     if hint is int:
 
-        def integer(value: Any, where: str) -> Any:
+        def integer(value: Any) -> Any:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
-            raise _wrong(value, hint, where)
+            raise _wrong(value, hint)
 
         return integer
     if hint is Any:
-        return lambda value, where: value
+        return lambda value: value
 
-    def instance(value: Any, where: str) -> Any:
+    def instance(value: Any) -> Any:
         if isinstance(value, hint):
             return value
-        raise _wrong(value, hint, where)
+        raise _wrong(value, hint)
 
     return instance
+
+
+def _passes(check: Checker, value: Any) -> bool:
+    try:
+        check(value)
+    except _Bad:
+        return False
+    return True
 
 
 def hops(path: Sequence[Hop]) -> str:

@@ -127,3 +127,62 @@ def test_expect() -> None:
         expect(Error(code="busy", message="full"), Ack)
     with pytest.raises(MalformedMessage, match="expected"):
         expect(Leave(peer_id="x"), Ack)
+
+
+def _hop(**overrides: object) -> dict[str, object]:
+    return {"stage": 0, "peer_id": "h", "address": "a:1", **overrides}
+
+
+@pytest.mark.parametrize(
+    ("msg_type", "fields", "message"),
+    [
+        (
+            "forward",
+            {
+                "mb_id": "m",
+                "target_stage": 1,
+                "eval": False,
+                "meta": {},
+                "path": [_hop(), {"stage": 1, "peer_id": "b"}],
+            },
+            "forward.path[1] lacks field 'address'",
+        ),
+        (
+            "forward",
+            {
+                "mb_id": "m",
+                "target_stage": 1,
+                "eval": False,
+                "meta": {},
+                "path": [_hop(), _hop(), _hop(stage="2")],
+            },
+            "forward.path[2].stage: str is not int",
+        ),
+        (
+            "forward",
+            {"mb_id": "m", "target_stage": 1, "eval": False, "meta": {}, "path": 3},
+            "forward.path: int is not list",
+        ),
+        (
+            "hello",
+            {
+                "swarm": "s",
+                "fingerprint": "f",
+                "peers": [],
+                "sender": {"peer_id": "p", "address": "a:1", "stage": 0, "loss": "low"},
+            },
+            "hello.sender.loss: str is not float | None",
+        ),
+        (
+            "welcome",
+            {"swarm": "s", "fingerprint": "f", "peers": [], "observed_host": "h"},
+            "welcome lacks field 'sender'",
+        ),
+    ],
+)
+def test_a_refusal_says_where_the_bad_field_is(
+    msg_type: str, fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(MalformedMessage) as info:
+        decode_message(join_frame(encode_frame(msg_type, fields)))
+    assert str(info.value) == message
