@@ -21,6 +21,7 @@ client side's on ``HttpTransport.stats``, the server side's (request bodies read
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 import weakref
 from collections import Counter
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import payload, web
+from yarl import URL
 
 from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
 from protocol.errors import FrameTooLarge, ProtocolError
@@ -39,7 +41,7 @@ from swarm.seams import TransportError
 CONTENT_TYPE = "application/x-murmuration-frame"
 RPC_PATH = "/rpc"
 SMALL_FRAME_BYTES = 1 << 16
-"""Frames up to this size are written as one joined buffer (see ``FramePayload.write``)."""
+"""Frames up to this size are sent as one joined buffer (see ``frame_body``)."""
 LARGE_DIGEST_BYTES = 1 << 20
 """Frames from this size on are hashed on a worker thread (hashlib releases the GIL)."""
 
@@ -62,8 +64,7 @@ class Histogram:
             self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
-        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
         self.sum += value
         self.count += 1
 
@@ -118,11 +119,6 @@ class FramePayload(payload.Payload):
         return self._buffers
 
     async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
-        if self._size is not None and self._size <= SMALL_FRAME_BYTES:
-            # One write: written piece by piece, a small frame leaves as several TCP segments
-            # and the receiver wakes for each; joining costs less (bench/perf.py, latency).
-            await writer.write(b"".join(self._buffers))
-            return
         for buf in self._buffers:
             await writer.write(buf)
 
@@ -144,10 +140,30 @@ ACK_FRAME = b"".join(encode_message(_ACK))
 reply equal to it is known without decoding (``bench/perf.py``, hop latency)."""
 
 
+def frame_body(buffers: Sequence[bytes | memoryview]) -> bytes | FramePayload:
+    """An HTTP body for a frame: a small one joined into one ``bytes``, a large one written
+    from its buffers as they are (tensors from their own memory).
+
+    Written piece by piece, a small frame would leave as several TCP segments and wake the
+    receiver for each; and aiohttp sends ``bytes`` with less work than a ``Payload`` of its
+    own (``bench/perf.py``, hop latency)."""
+    if frame_nbytes(buffers) <= SMALL_FRAME_BYTES:
+        return b"".join(buffers)
+    return FramePayload(buffers)
+
+
 def frame_response(msg: Message, status: int = 200) -> web.Response:
     if type(msg) is Ack and msg == _ACK and not msg.tensors:
         return web.Response(status=status, body=ACK_FRAME, content_type=CONTENT_TYPE)
-    return web.Response(status=status, body=FramePayload(encode_message(msg)))
+    return _response(frame_body(encode_message(msg)), status)
+
+
+def _response(
+    body: bytes | FramePayload, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    if isinstance(body, bytes):
+        return web.Response(status=status, body=body, content_type=CONTENT_TYPE, headers=headers)
+    return web.Response(status=status, body=body, headers=headers)
 
 
 async def sealed_response(msg: Message, incoming: Incoming | None) -> web.Response:
@@ -156,7 +172,7 @@ async def sealed_response(msg: Message, incoming: Incoming | None) -> web.Respon
         return frame_response(msg)
     buffers = encode_message(msg)
     header = incoming.seal_reply(await digest_of(buffers))
-    return web.Response(body=FramePayload(buffers), headers={AUTH_HEADER: header})
+    return _response(frame_body(buffers), headers={AUTH_HEADER: header})
 
 
 async def digest_of(buffers: Sequence[bytes | bytearray | memoryview]) -> bytes:
@@ -229,6 +245,9 @@ class HttpTransport:
         self.auth = auth
         """Seals requests and checks replies in a keyed swarm; None in an open one."""
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}
+        """``POST /rpc`` URL by peer address, parsed once (parsing took 3 % of a hop)."""
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
         self.stats = TrafficStats()
@@ -248,10 +267,10 @@ class HttpTransport:
         """Send ``msg`` (to ``peer_id`` when known, see ``swarm.seams.Transport``); return the
         reply, or raise ``TransportError`` (``Error`` replies too)."""
         assert self._session is not None, "transport not started"
-        body = FramePayload(encode_message(msg))
+        buffers = encode_message(msg)
         t0 = time.monotonic()
         try:
-            reply = await self._exchange(address, msg, body, timeout_s, peer_id)
+            reply = await self._exchange(address, msg, buffers, timeout_s, peer_id)
         except TransportError as e:
             self.stats.observe_request(msg.TYPE, e.code, time.monotonic() - t0)
             raise
@@ -262,24 +281,34 @@ class HttpTransport:
         return reply
 
     async def _exchange(
-        self, address: str, msg: Message, body: FramePayload, timeout_s: float, peer_id: str
+        self,
+        address: str,
+        msg: Message,
+        buffers: Sequence[bytes | memoryview],
+        timeout_s: float,
+        peer_id: str,
     ) -> Message:
         """POST one frame and decode the reply frame (an ``Error`` reply is returned)."""
         assert self._session is not None
         sent = None
         if self.auth is not None:
-            digest = await digest_of(body.buffers)
+            digest = await digest_of(buffers)
             sent = self.auth.sign_request(
                 address, "POST", RPC_PATH, digest, time.time(), peer_id=peer_id
             )
         headers = {AUTH_HEADER: sent.header} if sent is not None else None
-        url = f"http://{address}{RPC_PATH}"
+        size = frame_nbytes(buffers)
         try:
-            async with asyncio.timeout(timeout_s):
-                async with self._session.post(url, data=body, headers=headers) as resp:
-                    raw = await _read_bounded(
-                        resp.content, self.limits.max_frame_bytes, resp.content_length
-                    )
+            # aiohttp's own deadline (covering the reply's body), not a second timer.
+            async with self._session.post(
+                self._url(address),
+                data=frame_body(buffers),
+                headers=headers,
+                timeout=self._timeout(timeout_s),
+            ) as resp:
+                raw = await _read_bounded(
+                    resp.content, self.limits.max_frame_bytes, resp.content_length
+                )
         except TimeoutError:
             raise TransportError(
                 "timeout", f"{address} did not answer within {timeout_s:.1f}s"
@@ -288,9 +317,9 @@ class HttpTransport:
             raise TransportError("unreachable", f"{address}: {e or type(e).__name__}") from None
         except FrameTooLarge as e:
             raise TransportError(e.code, f"reply from {address}: {e}") from None
-        self.bytes_sent += body.size or 0
+        self.bytes_sent += size
         self.bytes_received += len(raw)
-        self.stats.sent_bytes[msg.TYPE] += body.size or 0
+        self.stats.sent_bytes[msg.TYPE] += size
         try:
             if sent is not None:  # a sealed reply is checked before it is decoded
                 sent.open_reply(resp.status, resp.headers.get(AUTH_HEADER), await digest_of([raw]))
@@ -304,3 +333,23 @@ class HttpTransport:
             ) from None
         self.stats.received_bytes[reply.TYPE] += len(raw)
         return reply
+
+    def _url(self, address: str) -> URL:
+        url = self._urls.get(address)
+        if url is None:
+            if len(self._urls) >= 4096:  # peers come and go: forget them all now and then
+                self._urls.clear()
+            try:
+                url = URL(f"http://{address}{RPC_PATH}")
+            except ValueError as e:
+                raise TransportError("unreachable", f"bad address {address!r}: {e}") from None
+            self._urls[address] = url
+        return url
+
+    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        timeout = self._timeouts.get(seconds)
+        if timeout is None:
+            if len(self._timeouts) >= 64:
+                self._timeouts.clear()
+            timeout = self._timeouts[seconds] = aiohttp.ClientTimeout(total=seconds)
+        return timeout

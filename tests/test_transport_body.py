@@ -1,15 +1,21 @@
-"""Reading a request or reply body: one buffer of the declared length, bounded by the limit."""
+"""Reading a request or reply body: one buffer of the declared length, bounded by the limit
+and by the request's deadline."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from unittest import mock
 
 import aiohttp
 import pytest
+from aiohttp import web
 
-from node.transport import _read_bounded
+from node.transport import ACK_FRAME, RPC_PATH, HttpTransport, _read_bounded
 from protocol.errors import FrameTooLarge
+from protocol.frames import Limits
+from protocol.messages import Ack
+from swarm.seams import TransportError
 
 
 def stream(chunks: list[bytes]) -> aiohttp.StreamReader:
@@ -60,3 +66,51 @@ async def test_limits_are_enforced(declared: int | None) -> None:
         await _read_bounded(stream([b"a" * 8, b"b" * 8]), 12, declared=declared)
     with pytest.raises(FrameTooLarge):
         await _read_bounded(stream([b"a"]), 12, declared=13)
+
+
+@pytest.mark.parametrize("stall", ["before_reply", "mid_body"])
+async def test_a_peer_that_stalls_is_a_timeout_within_the_deadline(stall: str) -> None:
+    """The deadline covers the whole exchange, the reply's body included: a peer that sends
+    its headers and half a frame, then nothing, is a ``timeout`` and not a hang."""
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if stall == "before_reply":
+            await release.wait()
+        response = web.StreamResponse(headers={"Content-Length": str(len(ACK_FRAME))})
+        await response.prepare(request)
+        await response.write(ACK_FRAME[:5])
+        await release.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_post(RPC_PATH, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    transport = HttpTransport(Limits())
+    await transport.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as info:
+            await transport.request(f"127.0.0.1:{runner.addresses[0][1]}", Ack(), timeout_s=0.3)
+        assert info.value.code == "timeout"
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        assert transport.stats.requests["ack", "timeout"] == 1
+    finally:
+        release.set()
+        await transport.close()
+        await runner.cleanup()
+
+
+async def test_a_bad_address_is_unreachable_not_a_crash() -> None:
+    transport = HttpTransport(Limits())
+    await transport.start()
+    try:
+        with pytest.raises(TransportError) as info:
+            await transport.request("not an address:port", Ack(), timeout_s=1.0)
+        assert info.value.code == "unreachable"
+    finally:
+        await transport.close()
