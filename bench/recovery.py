@@ -26,8 +26,10 @@ import argparse
 import json
 import random
 import signal
+import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +161,48 @@ def time_to(curve: dict[str, Any], target: float) -> float | None:
     )
 
 
+def by_rate(table: dict[str, Any], targets: list[float]) -> dict[str, Any]:
+    """The runs of ``summarize``'s table grouped by failure rate (one per seed): per method,
+    the mean final eval loss, the mean time to each target (None unless every seed reached
+    it) and in how many seeds the method reached each target before random
+    re-initialisation did (a target random never reached counts as reached later)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run_ in table.values():
+        groups.setdefault(f"{run_['per_hour']:g}", []).append(run_)
+    out: dict[str, Any] = {}
+    for rate, runs in groups.items():
+        methods: dict[str, Any] = {}
+        for method in runs[0]["methods"]:
+            rows = [r["methods"][method] for r in runs]
+            finals = [row["final_eval_loss"] for row in rows]
+            times = {str(t): [row["time_to_target_s"][str(t)] for row in rows] for t in targets}
+            entry: dict[str, Any] = {
+                "final_eval_loss": finals,
+                "final_eval_loss_mean": round(statistics.fmean(finals), 4),
+                "time_to_target_s": times,
+                "time_to_target_s_mean": {
+                    t: None if None in v else round(statistics.fmean(v), 1)
+                    for t, v in times.items()
+                },
+            }
+            if method != "random" and all("random" in r["methods"] for r in runs):
+                entry["before_random"] = {
+                    str(t): sum(
+                        _sooner(r["methods"][method], r["methods"]["random"], str(t)) for r in runs
+                    )
+                    for t in targets
+                }
+            methods[method] = entry
+        out[rate] = {"seeds": [r["seed"] for r in runs], "methods": methods}
+    return out
+
+
+def _sooner(a: dict[str, Any], b: dict[str, Any], target: str) -> bool:
+    """Whether summary row ``a`` reached ``target`` strictly before row ``b`` did."""
+    ta, tb = a["time_to_target_s"][target], b["time_to_target_s"][target]
+    return ta is not None and (tb is None or ta < tb)
+
+
 def summarize(names: list[str], out: Path, targets: list[float]) -> None:
     """Time to each of ``targets`` and final eval loss of every method in each named run.
 
@@ -191,11 +235,18 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
             "failures": max(len(m["failures"]) for m in r["methods"].values()),
             "methods": methods,
         }
-    (out / "recovery-summary.json").write_text(json.dumps(table, indent=2) + "\n")
+    summary = {"runs": table, "by_rate": by_rate(table, targets)}
+    (out / "recovery-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     method_names = list(runs[0]["methods"])
     width = 0.8 / len(method_names)
-    labels = [f"{t['per_hour']:g} %/h, {t['failures']} failures" for t in table.values()]
+    rates = Counter(t["per_hour"] for t in table.values())
+    labels = [
+        f"{t['per_hour']:g} %/h"
+        + (f" s{t['seed']}" if rates[t["per_hour"]] > 1 else "")
+        + f"\n{t['failures']} failures"
+        for t in table.values()
+    ]
     fig, axes = plt.subplots(1, len(targets) + 1, figsize=(4.2 * (len(targets) + 1), 4.2))
     panels = [(str(t), f"seconds to eval loss {t:g}") for t in targets] + [("final", "")]
     for ax, (key, title) in zip(axes, panels, strict=True):

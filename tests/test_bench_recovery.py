@@ -44,7 +44,7 @@ def test_summary_compares_methods_to_checkpoint_restart(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps(run(5, {"checkpoint": 120.0, "checkfree": 80.0})))
     (tmp_path / "b.json").write_text(json.dumps(run(16, {"checkpoint": None, "checkfree": 90.0})))
     summarize(["a", "b"], tmp_path, [2.5, 2.4, 2.0])
-    table = json.loads((tmp_path / "recovery-summary.json").read_text())
+    table = json.loads((tmp_path / "recovery-summary.json").read_text())["runs"]
     a, b = table["a"]["methods"], table["b"]["methods"]
     assert a["checkfree"]["time_to_target_s"] == {"2.5": 80.0, "2.4": 80.0, "2.0": None}
     assert a["checkfree"]["speedup_vs_checkpoint"] == {"2.5": 1.5, "2.4": 1.5, "2.0": None}
@@ -52,3 +52,27 @@ def test_summary_compares_methods_to_checkpoint_restart(tmp_path: Path) -> None:
     assert b["checkpoint"]["time_to_target_s"]["2.5"] is None  # never reached
     assert b["checkfree"]["speedup_vs_checkpoint"]["2.5"] is None
     assert (tmp_path / "recovery-summary.png").stat().st_size > 10_000
+
+
+def test_summary_groups_seeds_of_one_rate_against_random(tmp_path: Path) -> None:
+    seeds = [
+        {"checkfree": 80.0, "random": 100.0},
+        {"checkfree": 120.0, "random": None},  # random never reached the target
+        {"checkfree": None, "random": 90.0},
+    ]
+    names = []
+    for seed, times in enumerate(seeds, start=1):
+        r = run(10, times)
+        r["seed"] = seed
+        names.append(f"s{seed}")
+        (tmp_path / f"s{seed}.json").write_text(json.dumps(r))
+    summarize(names, tmp_path, [2.5])
+    rate = json.loads((tmp_path / "recovery-summary.json").read_text())["by_rate"]["10"]
+    assert rate["seeds"] == [1, 2, 3]
+    checkfree = rate["methods"]["checkfree"]
+    assert checkfree["time_to_target_s"]["2.5"] == [80.0, 120.0, None]
+    assert checkfree["time_to_target_s_mean"]["2.5"] is None  # one seed never got there
+    assert checkfree["before_random"]["2.5"] == 2  # seeds 1 and 2, not 3
+    assert checkfree["final_eval_loss_mean"] == pytest.approx((2.4 + 2.4 + 2.6) / 3, abs=1e-4)
+    assert "before_random" not in rate["methods"]["random"]
+    assert rate["methods"]["random"]["time_to_target_s_mean"]["2.5"] is None
