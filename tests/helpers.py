@@ -1,14 +1,18 @@
-"""Helpers shared by the tests that drive real processes."""
+"""Helpers shared by the tests that drive real processes or real HTTP servers."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from aiohttp import web
+
 from node.demo import LocalSwarm
+from node.transport import RPC_PATH
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
@@ -39,3 +43,20 @@ def kill_nodes(s: LocalSwarm, addresses: list[str]) -> None:
             proc.wait()
             log.close()
             s.procs.remove(entry)
+
+
+@contextlib.asynccontextmanager
+async def rpc_app(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[tuple[web.Application, str]]:
+    """An aiohttp app serving ``handler`` at ``POST /rpc`` on loopback: ``(app, address)``."""
+    app = web.Application()
+    app.router.add_post(RPC_PATH, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield app, f"127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node.metrics import NodeCollector, start_metrics_server
 from node.transport import (
-    RPC_PATH,
     Histogram,
     HttpTransport,
     TrafficStats,
@@ -34,6 +33,7 @@ from node.transport import (
 from protocol.frames import Limits
 from protocol.messages import Ack, Error, Leave
 from swarm.seams import TransportError
+from tests.helpers import rpc_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -367,15 +367,8 @@ async def rpc_server() -> Any:
             return frame_response(Error(code="busy", message="full"), status=503)
         return frame_response(Ack())
 
-    app = web.Application()
-    app.router.add_post(RPC_PATH, handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield app, f"127.0.0.1:{port}"
-    await runner.cleanup()
+    async with rpc_app(handle) as served:
+        yield served
 
 
 async def test_transport_counts_bytes_outcomes_and_latency(rpc_server: Any) -> None:

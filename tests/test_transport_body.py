@@ -11,11 +11,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from node.transport import ACK_FRAME, RPC_PATH, HttpTransport, _read_bounded
+from node.transport import ACK_FRAME, HttpTransport, _read_bounded
 from protocol.errors import FrameTooLarge
 from protocol.frames import Limits
 from protocol.messages import Ack
 from swarm.seams import TransportError
+from tests.helpers import rpc_app
 
 
 def stream(chunks: list[bytes]) -> aiohttp.StreamReader:
@@ -84,25 +85,19 @@ async def test_a_peer_that_stalls_is_a_timeout_within_the_deadline(stall: str) -
         await release.wait()
         return response
 
-    app = web.Application()
-    app.router.add_post(RPC_PATH, handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     transport = HttpTransport(Limits())
     await transport.start()
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(TransportError) as info:
-            await transport.request(f"127.0.0.1:{runner.addresses[0][1]}", Ack(), timeout_s=0.3)
-        assert info.value.code == "timeout"
-        assert 0.25 < time.monotonic() - t0 < 2.0
-        assert transport.stats.requests["ack", "timeout"] == 1
-    finally:
-        release.set()
-        await transport.close()
-        await runner.cleanup()
+    async with rpc_app(handler) as (_, address):
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransportError) as info:
+                await transport.request(address, Ack(), timeout_s=0.3)
+            assert info.value.code == "timeout"
+            assert 0.25 < time.monotonic() - t0 < 2.0
+            assert transport.stats.requests["ack", "timeout"] == 1
+        finally:
+            release.set()
+            await transport.close()
 
 
 async def test_a_bad_address_is_unreachable_not_a_crash() -> None:
