@@ -91,7 +91,7 @@ def test_swarm_trains_and_eval_loss_falls(swarm: Any) -> None:
 
 def test_killing_one_of_two_replicas_does_not_stop_training(swarm: Any) -> None:
     s = swarm()
-    head, _, victim, _, _ = start(s, [0, 1, 2, 2, 3])
+    head, _, victim, survivor, _ = start(s, [0, 1, 2, 2, 3])
     wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 10, 90, "training")
     name = next(n for n, _, _ in s.procs if n.endswith(victim.rsplit(":", 1)[1]))
     proc = next(p for n, p, _ in s.procs if n == name)
@@ -103,8 +103,14 @@ def test_killing_one_of_two_replicas_does_not_stop_training(swarm: Any) -> None:
         90,
         "30 more microbatches",
     )
+    # routing bans the dead peer at its first failure; the peer table drops it once it has
+    # been silent for ttl_s (4 s) - which a fast machine may not have reached yet
+    wait_for(
+        lambda: [p["address"] for p in fetch_status(head)["peers"]["2"]] == [survivor],
+        15,
+        "the head to drop the victim (ttl 4 s)",
+    )
     st = fetch_status(head)
-    assert [p["address"] for p in st["peers"]["2"]] != [victim] and len(st["peers"]["2"]) == 1
     # the victim's in-flight work was rerouted or re-issued, and every issue is accounted for
     c = st["counters"]
     assert c["microbatches_issued"] >= c["microbatches_completed"] + c.get(
