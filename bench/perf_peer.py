@@ -4,7 +4,8 @@ Serves, on 127.0.0.1 and on the event loop the daemon uses (``node.cli.asyncio_r
 
 - ``POST /rpc``: the daemon's request path: ``node.transport.read_frame`` (bounded read,
   zero-copy frame decode), then for a ``Forward`` what the daemon's ``_activation`` does on
-  arrival (``decode_tensor`` to float32 and the finiteness check) unless the activation is
+  arrival (``open_tensor`` and the finiteness check on the encoded tensor; the daemon
+  decodes it to float32 on its compute thread, so this peer does not) unless the activation is
   larger than ``--check-max-bytes`` (the 64 MiB throughput payload is only decoded, so that
   the wire is measured and not torch), and an ``Ack`` frame back;
 - ``POST /echo``: bare aiohttp, the request body read and sent back;
@@ -36,7 +37,7 @@ from node.transport import RPC_PATH, frame_response, read_frame
 from protocol.errors import ProtocolError
 from protocol.frames import Limits
 from protocol.messages import Ack, Error, Forward
-from protocol.quant import all_finite, decode_tensor
+from protocol.quant import open_tensor
 
 _LENGTH = struct.Struct("<Q")
 
@@ -73,8 +74,7 @@ def make_app(limits: Limits, check_max_bytes: int) -> web.Application:
         if isinstance(msg, Forward):
             nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
             if nbytes <= check_max_bytes:
-                x = decode_tensor(msg.tensors, msg.meta)
-                assert all_finite(x)
+                assert open_tensor(msg.tensors, msg.meta).finite()
         return frame_response(Ack())
 
     async def echo(request: web.Request) -> web.Response:

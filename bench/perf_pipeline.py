@@ -220,7 +220,7 @@ CATEGORIES: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
         ),
     ),
     ("codec encode (compute thread)", (("encode_tensor",),)),
-    ("activation decode + check", (("decode_tensor",), ("Node._activation",))),
+    ("activation decode + check", (("WireTensor.decode",), ("Node._activation",))),
     ("frame encode", (("encode_message",),)),
     ("frame decode", (("decode_message",),)),
     ("optimizer step", (("StageRunner._optimizer_step",),)),  # runs inside a backward

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -58,7 +59,7 @@ from protocol.messages import (
     StageState,
     expect,
 )
-from protocol.quant import all_finite, decode_tensor, encode_tensor
+from protocol.quant import WireTensor, encode_tensor, open_tensor
 from swarm.discovery import (
     ZeroconfDiscovery,
     announce_addresses,
@@ -604,17 +605,19 @@ class Node:
         if not self.ready:
             raise Refused("not_ready", "this node has not finished joining", 503)
 
-    def _activation(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> torch.Tensor:
-        """Decode and check an incoming activation or gradient: [B, T, d_model], finite."""
-        x = decode_tensor(tensors, meta)
+    def _activation(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> WireTensor:
+        """Check an incoming activation or gradient, [B, T, d_model] and finite, as it came:
+        the compute job decodes it (``WireTensor``), so the event loop runs no conversion."""
+        x = open_tensor(tensors, meta)
         d = self.config.model.d_model
-        if x.dim() != 3 or x.shape[2] != d or not 0 < x.shape[1] <= self.config.model.max_seq_len:
+        shape = x.shape
+        if len(shape) != 3 or shape[2] != d or not 0 < shape[1] <= self.config.model.max_seq_len:
             raise Refused(
                 "bad_shape",
-                f"expected [batch, seq<={self.config.model.max_seq_len}, {d}], got {list(x.shape)}",
+                f"expected [batch, seq<={self.config.model.max_seq_len}, {d}], got {list(shape)}",
                 400,
             )
-        if not all_finite(x):
+        if not x.finite():
             raise Refused("non_finite", "tensor contains NaN or infinite values", 400)
         return x
 
@@ -638,7 +641,7 @@ class Node:
                 400,
             )
         x = self._activation(msg.tensors, msg.meta)
-        nbytes = x.numel() * x.element_size()
+        nbytes = 4 * math.prod(x.shape)  # float32 once decoded
         if self.stage == 0:
             self.enqueue("loss", self.trainer.loss_job(msg, x), nbytes)
         else:
@@ -654,7 +657,7 @@ class Node:
                 "not_on_path", f"this node is not hop {msg.index} of microbatch {msg.mb_id}", 400
             )
         g = self._activation(msg.tensors, msg.meta)
-        nbytes = g.numel() * g.element_size()
+        nbytes = 4 * math.prod(g.shape)
         if self.stage == 0:
             self.enqueue("backward", self.trainer.backward_job(msg, g), nbytes)
             self.guard.accepted(msg)
@@ -703,13 +706,13 @@ class Node:
 
     # ---- block-stage jobs ---------------------------------------------------------------
 
-    def _forward_job(self, msg: Forward, x: torch.Tensor) -> Job:
+    def _forward_job(self, msg: Forward, x: WireTensor) -> Job:
         runner = self.runner
         assert runner is not None
         codec = self.config.train.wire_codec
 
         def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-            out = runner.block_forward(msg.mb_id, x, train=not msg.eval)
+            out = runner.block_forward(msg.mb_id, x.decode(), train=not msg.eval)
             return encode_tensor(out, codec, name="h")
 
         async def job() -> Callable[[], Awaitable[bool]]:
@@ -733,13 +736,13 @@ class Node:
 
         return job
 
-    def _backward_job(self, msg: Backward, g: torch.Tensor) -> Job:
+    def _backward_job(self, msg: Backward, g: WireTensor) -> Job:
         runner = self.runner
         assert runner is not None
         codec = self.config.train.wire_codec
 
         def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-            return encode_tensor(runner.block_backward(msg.mb_id, g), codec, name="g")
+            return encode_tensor(runner.block_backward(msg.mb_id, g.decode()), codec, name="g")
 
         async def job() -> Callable[[], Awaitable[bool]]:
             tensors, meta = await runner.run(compute)

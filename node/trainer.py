@@ -32,7 +32,7 @@ import torch
 
 from node.data import TextDataset, open_dataset, shard_of
 from protocol.messages import Backward, Forward, Hop
-from protocol.quant import encode_tensor
+from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
 
@@ -253,7 +253,7 @@ class HeadTrainer:
 
     # ---- jobs the daemon queues when a microbatch comes home ----------------------------
 
-    def loss_job(self, msg: Forward, h: torch.Tensor) -> Callable[[], Awaitable[Any]]:
+    def loss_job(self, msg: Forward, h: WireTensor) -> Callable[[], Awaitable[Any]]:
         """Final hidden states arrived: loss, and for training the gradient sent back."""
         p = self.pending.get(msg.mb_id)
         if p is None:
@@ -266,7 +266,7 @@ class HeadTrainer:
 
         async def job() -> Callable[[], Awaitable[None]] | None:
             if p.eval_result is not None:
-                loss, _ = await runner.run(runner.head_loss, h, p.labels, False)
+                loss, _ = await runner.run(lambda: runner.head_loss(h.decode(), p.labels, False))
                 if self.pending.pop(msg.mb_id, None) is not None:  # else its deadline counted it
                     self.node.counters["microbatches_completed"] += 1
                 if not p.eval_result.done():
@@ -274,7 +274,7 @@ class HeadTrainer:
                 return None
 
             def compute() -> tuple[float, dict[str, torch.Tensor], dict[str, Any]]:
-                loss, grad = runner.head_loss(h, p.labels, True)
+                loss, grad = runner.head_loss(h.decode(), p.labels, True)
                 assert grad is not None
                 return (loss, *encode_tensor(grad, codec, name="g"))
 
@@ -292,7 +292,7 @@ class HeadTrainer:
             p.deadline_s = 0.0
             self._wake.set()
 
-    def backward_job(self, msg: Backward, g: torch.Tensor) -> Callable[[], Awaitable[None]]:
+    def backward_job(self, msg: Backward, g: WireTensor) -> Callable[[], Awaitable[None]]:
         """The gradient reached the head again: backprop into the embedding; microbatch done.
 
         The microbatch stays pending until the embedding's backward has run, so it ends exactly
@@ -312,7 +312,7 @@ class HeadTrainer:
                 return  # its deadline passed while queued: already counted as retried or dropped
             p.deadline_s = math.inf  # no re-issue while its gradient is being applied
             try:
-                await runner.run(runner.head_backward, p.ids, g)
+                await runner.run(lambda: runner.head_backward(p.ids, g.decode()))
             except BaseException:
                 p.deadline_s = 0.0  # re-issue it instead
                 raise

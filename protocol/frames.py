@@ -148,22 +148,22 @@ def _align(n: int) -> int:
 # --------------------------------------------------------------------------- encoding
 
 
-_PLAIN_TYPES = frozenset({type(None), bool, str, float, int})
+_SCALARS = (type(None), bool, int, float, str)
+_SCALAR_KINDS = frozenset(_SCALARS)
+"""What a header holds besides dicts and lists, as exact types (subclasses are converted)."""
 
 
 def _is_plain(item: Any) -> bool:
     """True for a value that goes into a header as it is: None, bool, str, float, or an int
     that fits in 64 bits, of exactly that type (subclasses take ``_normalize``'s path)."""
     kind = type(item)
-    return kind in _PLAIN_TYPES and (kind is not int or _INT_MIN <= item <= _INT_MAX)
+    return kind in _SCALAR_KINDS and (kind is not int or _INT_MIN <= item <= _INT_MAX)
 
 
 def _normalize(value: Any, path: str, depth: int) -> Any:
-    """Copy of a header field value as plain dicts and lists; ValueError if not allowed.
-
-    Plain items of plain dicts and lists are taken as they are; only other values need a
-    path formatted (formatting one per item took a third of a small frame's encoding, and
-    ``isinstance`` against ``Mapping`` a tenth; ``bench/perf.py``, hop latency)."""
+    """Copy of a header field value as plain dicts and lists; ValueError, saying where, if
+    it holds something a header cannot (only when ``_fields_ok`` refused the value: the
+    fast path packs a plain one as it is)."""
     kind = type(value)
     if depth < MAX_NESTING:
         if kind is dict:
@@ -245,7 +245,11 @@ def encode_frame(
         raise ValueError(f"message type must be a non-empty str, got {_short(msg_type)}")
     if not isinstance(fields, Mapping):
         raise ValueError(f"fields must be a mapping, got {type(fields).__name__}")
-    plain_fields = _normalize(fields, "fields", 0)
+    # Fields made only of plain dicts, lists and scalars (what messages give) are packed as
+    # they are; anything else is copied by ``_normalize``, which says where a bad value is.
+    # Checking by type identity and formatting no paths halved a small frame's encoding
+    # (``bench/perf.py``, hop latency).
+    plain_fields = fields if _fields_ok(fields, 0) else _normalize(fields, "fields", 0)
 
     table: list[list[Any]] = []
     pieces: list[tuple[int, memoryview]] = []
@@ -275,8 +279,9 @@ def encode_frame(
         header: bytes = msgpack.packb(
             {"type": msg_type, "fields": plain_fields, "tensors": table}, use_bin_type=True
         )
-    except (TypeError, ValueError, OverflowError) as exc:  # pragma: no cover - normalized above
-        raise ValueError(f"cannot encode header of {msg_type!r}: {exc}") from exc
+    except OverflowError:  # an int beyond 64 bits, which the identity check lets through
+        _normalize(fields, "fields", 0)  # raises, saying where
+        raise AssertionError("unreachable: _normalize refuses what msgpack does") from None
     if len(header) > 0xFFFFFFFF:
         raise ValueError(f"header of {len(header)} bytes does not fit the u32 length field")
     prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, 0, len(header))
@@ -360,26 +365,29 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_SCALARS = (type(None), bool, int, float, str)
-
-
-_SCALAR_KINDS = frozenset(_SCALARS)
-
-
 def _fields_ok(value: Any, depth: int) -> bool:
-    """True if a decoded header value holds only what the encoder produces. msgpack gives
-    values of exactly these types, so the check is by identity, and without paths: only a
-    refused frame needs ``_check_field_value`` to say where (``bench/perf.py``, hop latency)."""
+    """True if a header value holds only plain dicts (str keys), lists and scalars, by type
+    identity (what msgpack decodes to, and what messages encode from; ints are not range
+    checked: msgpack refuses those beyond 64 bits). No paths are formatted: only a refused
+    value needs ``_check_field_value`` or ``_normalize`` to say where (``bench/perf.py``, hop
+    latency). Plain loops: generator expressions cost a frame per container."""
     kind = type(value)
     if kind is dict:
-        return depth < MAX_NESTING and all(
-            type(key) is str and (type(item) in _SCALAR_KINDS or _fields_ok(item, depth + 1))
-            for key, item in value.items()
-        )
+        if depth >= MAX_NESTING:
+            return False
+        for key, item in value.items():
+            if type(key) is not str:
+                return False
+            if type(item) not in _SCALAR_KINDS and not _fields_ok(item, depth + 1):
+                return False
+        return True
     if kind is list:
-        return depth < MAX_NESTING and all(
-            type(item) in _SCALAR_KINDS or _fields_ok(item, depth + 1) for item in value
-        )
+        if depth >= MAX_NESTING:
+            return False
+        for item in value:
+            if type(item) not in _SCALAR_KINDS and not _fields_ok(item, depth + 1):
+                return False
+        return True
     return kind in _SCALAR_KINDS
 
 
@@ -473,8 +481,15 @@ def _parse_entry(index: int, entry: Any, tail_bytes: int, limits: Limits) -> _En
         raise MalformedHeader(
             f"{_label(name)}: dtype must be a str, got {type(dtype_str).__name__}"
         )
-    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+    if type(shape) is not list:
         raise MalformedHeader(f"{_label(name)}: shape must be a list of ints, got {_short(shape)}")
+    negative = False
+    for d in shape:
+        if type(d) is not int:  # bool is an int subclass; msgpack true must not pass
+            raise MalformedHeader(
+                f"{_label(name)}: shape must be a list of ints, got {_short(shape)}"
+            )
+        negative = negative or d < 0
     if not _is_int(offset) or not _is_int(nbytes):
         raise MalformedHeader(
             f"{_label(name)}: offset and nbytes must be ints, got {_short(offset)}, {_short(nbytes)}"
@@ -488,7 +503,7 @@ def _parse_entry(index: int, entry: Any, tail_bytes: int, limits: Limits) -> _En
         raise BadTensorSpec(
             f"{_label(name)} has {len(shape)} dimensions, limit is {limits.max_tensor_dims}"
         )
-    if any(d < 0 for d in shape):
+    if negative:
         raise BadTensorSpec(f"{_label(name)} has a negative dimension in shape {shape}")
     numel = math.prod(shape)
     if numel == 0 and math.prod(max(d, 1) for d in shape) > limits.max_frame_bytes:
@@ -526,6 +541,8 @@ def _parse_table(table: list[Any], tail_bytes: int, limits: Limits) -> list[_Ent
             raise BadTensorSpec(f"tensor name {_short(entry.name)} appears more than once")
         names.add(entry.name)
         entries.append(entry)
+    if len(entries) < 2:
+        return entries
     ranges = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries if e.nbytes)
     for (_, prev_end, prev_name), (start, _, name) in itertools.pairwise(ranges):
         if start < prev_end:
@@ -562,7 +579,9 @@ def decode_frame(
     msg_type, fields, table = _unpack_header(view[PREFIX_BYTES:header_end], header_len)
     tail_start = _align(header_end)
     entries = _parse_table(table, max(0, size - tail_start), limits)
-    tail_end = max((e.offset + e.nbytes for e in entries), default=0)
+    tail_end = 0
+    for e in entries:
+        tail_end = max(tail_end, e.offset + e.nbytes)
     expected = tail_start + tail_end if tail_end else header_end
     if size != expected:
         assert size > expected  # every tensor lies within the buffer

@@ -285,13 +285,16 @@ _SCALAR_TYPES = frozenset({type(None), bool, str, float, int})
 def _to_wire(value: Any) -> Any:
     """``value`` with records (dataclasses) turned into maps; ``protocol.frames`` checks the rest."""
     kind = type(value)
-    if kind in _SCALAR_TYPES:
+    if kind in _SCALAR_TYPES or kind is dict:
         return value
     if kind is list or kind is tuple:
         return [v if type(v) in _SCALAR_TYPES else _to_wire(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: _to_wire(getattr(value, name)) for name in _field_names(kind)}
-    return value
+    names = _FIELD_NAMES.get(kind)  # a record type seen before: no dataclass test
+    if names is None:
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
+            return value
+        names = _field_names(kind)
+    return {name: _to_wire(getattr(value, name)) for name in names}
 
 
 class _Bad(Exception):
@@ -411,7 +414,8 @@ def _make_checker(hint: Any) -> Checker:
     if origin is dict:
 
         def mapping(value: Any) -> Any:
-            if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            # decode_frame has checked every key of the header to be a str
+            if type(value) is dict:
                 return value
             raise _wrong(value, hint)
 

@@ -19,6 +19,7 @@ from protocol.quant import (
     dequantize_blockwise,
     encode_tensor,
     from_tensors,
+    open_tensor,
     quantize_blockwise,
     to_tensors,
 )
@@ -225,3 +226,30 @@ def test_all_finite_finds_any_nan_or_infinity() -> None:
         y[1, 7, 3] = bad
         assert not all_finite(y)
         assert not all_finite(y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_an_opened_tensor_is_checked_without_being_decoded(codec: str) -> None:
+    x = torch.randn(2, 16, 8)
+    tensors, meta = encode_tensor(x, codec, name="h")
+    opened = open_tensor(tensors, meta)
+    assert opened.shape == (2, 16, 8) and opened.finite()
+    assert torch.equal(opened.decode(), decode_tensor(tensors, meta))
+    if codec != "int8":  # the values as they travelled, not a float32 copy
+        assert opened.encoded is tensors["h"]
+        bad = tensors["h"].clone()
+        bad[1, 2, 3] = math.nan
+        assert not open_tensor({"h": bad}, meta).finite()
+
+
+def test_an_int8_scale_that_decodes_to_infinity_is_not_finite() -> None:
+    # scales must be finite and >= 0 to be opened at all; a finite scale can still overflow
+    # float32 once a code multiplies it (codes reach -128 in a peer's frame)
+    tensors, meta = encode_tensor(torch.ones(4), "int8", name="q")
+    limit = torch.finfo(torch.float32).max
+    assert open_tensor({**tensors, "q.scales": torch.tensor([limit / 128])}, meta).finite()
+    huge = {**tensors, "q.scales": torch.tensor([limit / 100])}
+    assert not open_tensor(huge, meta).finite()
+    assert not torch.isfinite(open_tensor(huge, meta).decode()).all()
+    with pytest.raises(BadTensorSpec):
+        open_tensor({**tensors, "q.scales": torch.tensor([math.inf])}, meta)
