@@ -178,6 +178,8 @@ async def test_activation_faults_are_refused(make_node: Any) -> None:
     nan[1, 3, 7] = float("nan")
     wrong_dtype = forward()
     wrong_dtype.tensors["h"] = torch.zeros(2, 8, 128, dtype=torch.int32)
+    overflowing = forward(torch.ones(2, 8, 128), codec="int8")  # codes x scale beyond float32
+    overflowing.tensors["h.scales"] = torch.full_like(overflowing.tensors["h.scales"], 1e37)
     cases = [
         (forward(torch.zeros(2, 8, 64)), "bad_shape", 400),
         (forward(torch.zeros(2, 8)), "bad_shape", 400),
@@ -185,6 +187,7 @@ async def test_activation_faults_are_refused(make_node: Any) -> None:
         (wrong_dtype, "bad_tensor_spec", 400),
         (forward(nan), "non_finite", 400),
         (forward(torch.full((1, 2, 128), float("inf")), codec="bf16"), "non_finite", 400),
+        (overflowing, "non_finite", 400),
         (forward(stage=2), "wrong_stage", 409),
         (forward(mb_id=""), "bad_microbatch_id", 400),
         (forward(mb_id="x" * 1000), "bad_microbatch_id", 400),
