@@ -282,6 +282,8 @@ def encode_frame(
     except OverflowError:  # an int beyond 64 bits, which the identity check lets through
         _normalize(fields, "fields", 0)  # raises, saying where
         raise AssertionError("unreachable: _normalize refuses what msgpack does") from None
+    except (TypeError, ValueError) as exc:  # e.g. a str holding a lone surrogate
+        raise ValueError(f"cannot encode header of {msg_type!r}: {exc}") from exc
     if len(header) > 0xFFFFFFFF:
         raise ValueError(f"header of {len(header)} bytes does not fit the u32 length field")
     prefix = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, 0, len(header))

@@ -479,6 +479,10 @@ def test_encode_rejects_bad_input() -> None:
         encode_frame("t", {"m": {1: 2}})
     with pytest.raises(ValueError, match="64 bits"):
         encode_frame("t", {"big": 1 << 64})
+    with pytest.raises(ValueError, match=r"fields\['m'\]\[1\]\['x'\]: int -\d+ does not fit"):
+        encode_frame("t", {"m": [0, {"x": -(1 << 63) - 1}]})  # found where it is
+    with pytest.raises(ValueError, match="cannot encode header of 't'"):
+        encode_frame("t", {"s": "\ud800"})  # a lone surrogate is no UTF-8
     with pytest.raises(ValueError, match="non-empty str"):
         encode_frame("", {})
     with pytest.raises(ValueError, match="nest deeper"):
