@@ -1,7 +1,8 @@
 """Failure injection on a real swarm: CheckFree, CheckFree+, checkpoint-restart, random.
 
-The swarm: a head node and 4 block stages of one replica each (tiny model cut into 4
-one-block stages; CheckFree+ needs at least 4), 5 ``node join`` processes on 127.0.0.1.
+The swarm: a head node and ``--stages`` block stages (default 4) of one replica each (tiny
+model of that many blocks, one per stage; CheckFree+ needs at least 4), one ``node join``
+process each on 127.0.0.1.
 As in CheckFree's simulator, each block stage fails independently with probability ``p``
 per training step (the whole stage at once: its replica is killed with SIGKILL); the
 failure schedule is drawn once from ``--seed`` and replayed, by head step, for every
@@ -41,8 +42,6 @@ P_PER_PERCENT_HOUR = 0.002 / 10
 """The paper's reference point: 0.002 per iteration is 10 % of stages failing per hour."""
 METHODS = ["checkfree", "checkfree+", "checkpoint", "random"]
 COMMON = {
-    "swarm.num_block_stages": "4",
-    "model.num_blocks": "4",
     "node.join_wait_s": "1.0",
     "membership.ttl_s": "3",
     "train.hop_timeout_s": "3",
@@ -71,6 +70,8 @@ def run(
 ) -> dict[str, Any]:
     settings = {
         **COMMON,
+        "swarm.num_block_stages": str(args.stages),
+        "model.num_blocks": str(args.stages),
         "recovery.method": method,
         "recovery.checkpoint_dir": str(log_dir / f"{method}-ckpt"),
         "train.eval_interval_s": str(args.eval_s),
@@ -80,7 +81,7 @@ def run(
     by_stage: dict[int, str] = {}
     try:
         head = swarm.start_node(0)
-        for stage in range(1, 5):
+        for stage in range(1, args.stages + 1):
             by_stage[stage] = swarm.start_node(stage)
         for a in [head, *by_stage.values()]:
             wait_ready(a, 120, swarm)
@@ -168,7 +169,10 @@ def by_rate(table: dict[str, Any], targets: list[float]) -> dict[str, Any]:
     re-initialisation did (a target random never reached counts as reached later)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for run_ in table.values():
-        groups.setdefault(f"{run_['per_hour']:g}", []).append(run_)
+        key = f"{run_['per_hour']:g}"
+        if run_["stages"] != 4:
+            key += f" ({run_['stages']} stages)"
+        groups.setdefault(key, []).append(run_)
     out: dict[str, Any] = {}
     for rate, runs in groups.items():
         methods: dict[str, Any] = {}
@@ -231,6 +235,7 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
         table[name] = {
             "per_hour": r.get("per_hour", round(r["p_per_stage_step"] / P_PER_PERCENT_HOUR, 2)),
             "seed": r["seed"],
+            "stages": r.get("stages", 4),
             "minutes": r["minutes"],
             "failures": max(len(m["failures"]) for m in r["methods"].values()),
             "methods": methods,
@@ -240,10 +245,11 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
 
     method_names = list(runs[0]["methods"])
     width = 0.8 / len(method_names)
-    rates = Counter(t["per_hour"] for t in table.values())
+    rates = Counter((t["per_hour"], t["stages"]) for t in table.values())
     labels = [
         f"{t['per_hour']:g} %/h"
-        + (f" s{t['seed']}" if rates[t["per_hour"]] > 1 else "")
+        + ("" if t["stages"] == 4 else f" {t['stages']}st")
+        + (f" s{t['seed']}" if rates[t["per_hour"], t["stages"]] > 1 else "")
         + f"\n{t['failures']} failures"
         for t in table.values()
     ]
@@ -285,6 +291,9 @@ def main() -> None:
     p.add_argument("--target", type=float, default=2.5, help="target eval loss")
     p.add_argument("--eval-s", type=float, default=10.0, help="seconds between evaluations")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--stages", type=int, default=4, help="block stages, one block and one replica each (>= 4)"
+    )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="recovery", help="results file names: NAME.json, NAME.png")
@@ -313,7 +322,9 @@ def main() -> None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
         plot(result, png_path)
         return
-    schedule = failure_schedule(args.p, 5000, 4, args.seed)
+    if args.stages < 4:
+        p.error("--stages must be at least 4: CheckFree+ swaps stages 1-2 and N-1-N")
+    schedule = failure_schedule(args.p, 5000, args.stages, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="murmuration-recovery-"))
     print(f"logs in {log_dir}; first failures (step, stage): {schedule[:6]}")
     result: dict[str, Any] = {
@@ -322,7 +333,12 @@ def main() -> None:
         "per_hour": round(args.p / P_PER_PERCENT_HOUR, 2),
         "minutes": args.minutes,
         "seed": args.seed,
-        "settings": COMMON,
+        "stages": args.stages,
+        "settings": {
+            **COMMON,
+            "swarm.num_block_stages": str(args.stages),
+            "model.num_blocks": str(args.stages),
+        },
         "methods": {},
     }
     for method in args.methods.split(","):

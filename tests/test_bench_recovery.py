@@ -76,3 +76,18 @@ def test_summary_groups_seeds_of_one_rate_against_random(tmp_path: Path) -> None
     assert checkfree["final_eval_loss_mean"] == pytest.approx((2.4 + 2.4 + 2.6) / 3, abs=1e-4)
     assert "before_random" not in rate["methods"]["random"]
     assert rate["methods"]["random"]["time_to_target_s_mean"]["2.5"] is None
+
+
+def test_summary_keeps_runs_of_different_depths_apart(tmp_path: Path) -> None:
+    shallow = run(10, {"checkfree": 80.0, "random": 100.0})  # written before --stages: 4
+    deep = run(10, {"checkfree": 150.0, "random": 120.0})
+    deep["stages"] = 6
+    (tmp_path / "shallow.json").write_text(json.dumps(shallow))
+    (tmp_path / "deep.json").write_text(json.dumps(deep))
+    summarize(["shallow", "deep"], tmp_path, [2.5])
+    summary = json.loads((tmp_path / "recovery-summary.json").read_text())
+    assert summary["runs"]["shallow"]["stages"] == 4 and summary["runs"]["deep"]["stages"] == 6
+    groups = summary["by_rate"]
+    assert sorted(groups) == ["10", "10 (6 stages)"]
+    assert groups["10"]["methods"]["checkfree"]["before_random"]["2.5"] == 1
+    assert groups["10 (6 stages)"]["methods"]["checkfree"]["before_random"]["2.5"] == 0
