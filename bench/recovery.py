@@ -177,6 +177,8 @@ def by_rate(table: dict[str, Any], targets: list[float]) -> dict[str, Any]:
     for rate, runs in groups.items():
         methods: dict[str, Any] = {}
         for method in runs[0]["methods"]:
+            if not all(method in r["methods"] for r in runs):
+                continue  # compared only where every seed ran it
             rows = [r["methods"][method] for r in runs]
             finals = [row["final_eval_loss"] for row in rows]
             times = {str(t): [row["time_to_target_s"][str(t)] for row in rows] for t in targets}
@@ -223,7 +225,8 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
         methods: dict[str, Any] = {}
         for k, m in r["methods"].items():
             times = {str(t): time_to(m, t) for t in targets}
-            base = {str(t): time_to(r["methods"].get("checkpoint", m), t) for t in targets}
+            checkpoint = r["methods"].get("checkpoint")  # runs may leave a method out
+            base = {str(t): checkpoint and time_to(checkpoint, t) for t in targets}
             methods[k] = {
                 "time_to_target_s": times,
                 "speedup_vs_checkpoint": {
@@ -243,7 +246,7 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
     summary = {"runs": table, "by_rate": by_rate(table, targets)}
     (out / "recovery-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-    method_names = list(runs[0]["methods"])
+    method_names = list(dict.fromkeys(k for r in runs for k in r["methods"]))
     width = 0.8 / len(method_names)
     rates = Counter((t["per_hour"], t["stages"]) for t in table.values())
     labels = [
@@ -257,13 +260,14 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
     panels = [(str(t), f"seconds to eval loss {t:g}") for t in targets] + [("final", "")]
     for ax, (key, title) in zip(axes, panels, strict=True):
         for i, method in enumerate(method_names):
-            xs = [j + (i - (len(method_names) - 1) / 2) * width for j in range(len(names))]
+            ran = [(j, t) for j, t in enumerate(table.values()) if method in t["methods"]]
+            xs = [j + (i - (len(method_names) - 1) / 2) * width for j, _ in ran]
             if key == "final":
-                ys = [t["methods"][method]["final_eval_loss"] for t in table.values()]
+                ys = [t["methods"][method]["final_eval_loss"] for _, t in ran]
                 ax.bar(xs, ys, width, label=method)
                 continue
-            got = [t["methods"][method]["time_to_target_s"][key] for t in table.values()]
-            full = [t["minutes"] * 60 for t in table.values()]
+            got = [t["methods"][method]["time_to_target_s"][key] for _, t in ran]
+            full = [t["minutes"] * 60 for _, t in ran]
             bars = ax.bar(xs, [g or f for g, f in zip(got, full, strict=True)], width, label=method)
             for bar, g in zip(bars, got, strict=True):
                 if g is None:  # not reached within the run: drawn at the run's length, hatched
@@ -272,7 +276,7 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
         ax.set_xticks(range(len(names)), labels, fontsize=8)
         ax.set_title(title or "final eval loss (after the run)")
         ax.grid(alpha=0.3, axis="y")
-    lo = min(t["methods"][m]["final_eval_loss"] for t in table.values() for m in method_names)
+    lo = min(m["final_eval_loss"] for t in table.values() for m in t["methods"].values())
     axes[-1].set_ylim(bottom=lo * 0.9)
     axes[0].set_ylabel("seconds (hatched: not reached)")
     axes[0].legend(fontsize=8)

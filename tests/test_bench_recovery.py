@@ -91,3 +91,20 @@ def test_summary_keeps_runs_of_different_depths_apart(tmp_path: Path) -> None:
     assert sorted(groups) == ["10", "10 (6 stages)"]
     assert groups["10"]["methods"]["checkfree"]["before_random"]["2.5"] == 1
     assert groups["10 (6 stages)"]["methods"]["checkfree"]["before_random"]["2.5"] == 0
+
+
+def test_summary_takes_runs_that_left_a_method_out(tmp_path: Path) -> None:
+    (tmp_path / "all.json").write_text(
+        json.dumps(run(10, {"checkpoint": 120.0, "checkfree": 80.0, "random": 100.0}))
+    )
+    (tmp_path / "some.json").write_text(json.dumps(run(10, {"checkfree": 90.0, "random": 70.0})))
+    summarize(["all", "some"], tmp_path, [2.5])
+    summary = json.loads((tmp_path / "recovery-summary.json").read_text())
+    some = summary["runs"]["some"]["methods"]
+    assert "checkpoint" not in some
+    assert some["checkfree"]["speedup_vs_checkpoint"]["2.5"] is None  # nothing to compare to
+    assert summary["runs"]["all"]["methods"]["checkfree"]["speedup_vs_checkpoint"]["2.5"] == 1.5
+    methods = summary["by_rate"]["10"]["methods"]
+    assert "checkpoint" not in methods  # one of the two seeds did not run it
+    assert methods["checkfree"]["before_random"]["2.5"] == 1
+    assert (tmp_path / "recovery-summary.png").stat().st_size > 10_000
