@@ -288,6 +288,11 @@ BAD_FRAMES: list[tuple[str, bytes, Limits, type[ProtocolError]]] = [
         MalformedHeader,
     ),
     ("bad utf-8", craft(raw_header=b"\xa2\xff\xfe"), Limits(), MalformedHeader),
+    # lengths a tiny header declares beyond its own size
+    ("array32 of 2^31-1", craft(raw_header=b"\xdd\x7f\xff\xff\xff"), Limits(), MalformedHeader),
+    ("map32 of 2^31-1", craft(raw_header=b"\xdf\x7f\xff\xff\xff"), Limits(), MalformedHeader),
+    ("str32 of 2^31-1", craft(raw_header=b"\xdb\x7f\xff\xff\xff"), Limits(), MalformedHeader),
+    ("int map key", craft(raw_header=b"\x81\x01\x01"), Limits(), MalformedHeader),
     ("header not a map", craft([1, 2, 3]), Limits(), MalformedHeader),
     ("missing type", craft({"fields": {}, "tensors": []}), Limits(), MalformedHeader),
     ("extra key", craft({**hdr([]), "x": 1}), Limits(), MalformedHeader),
