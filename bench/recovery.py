@@ -18,7 +18,8 @@ Writes ``bench/results/recovery.json`` (eval loss against wall-clock seconds and
 steps, time to reach ``--target`` loss, the failures injected) and ``recovery.png``;
 ``--name`` changes the file names, so runs at several rates can sit side by side, and
 ``--summary`` draws their times to target in one figure (``recovery-summary.json``/``.png``).
-Usage: ``python -m bench.recovery [--minutes 3] [--per-hour 10] [--target 2.5]``.
+``--append`` adds methods run later to a file (same rate, seed, depth and length).
+Usage: ``python -m bench.recovery [--minutes 3] [--per-hour 10] [--stages 4] [--target 2.5]``.
 """
 
 from __future__ import annotations
@@ -301,6 +302,11 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="recovery", help="results file names: NAME.json, NAME.png")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add these methods to NAME.json (same rate, seed, stages and minutes) and redraw",
+    )
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out")
     p.add_argument(
         "--summary", nargs="+", metavar="NAME", help="compare the named runs in one figure"
@@ -345,6 +351,8 @@ def main() -> None:
         },
         "methods": {},
     }
+    if args.append and json_path.exists():
+        merge_runs(json.loads(json_path.read_text()), result)  # refuse now, not after the runs
     for method in args.methods.split(","):
         print(f"{method}:", flush=True)
         result["methods"][method] = run(method, schedule, args, log_dir)
@@ -354,8 +362,28 @@ def main() -> None:
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.append and json_path.exists():
+        result = merge_runs(json.loads(json_path.read_text()), result)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, png_path)
+
+
+RUN_KEYS = ("p_per_stage_step", "minutes", "seed", "stages", "settings")
+"""What must match for two runs' methods to sit in one file: the failure schedule (rate,
+seed, depth), the length of the run and the swarm's settings."""
+
+
+def merge_runs(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """``earlier`` with ``later``'s methods added (``--append``; a method in both takes
+    ``later``'s run). ValueError if the two were not run alike (``RUN_KEYS``)."""
+    earlier = {"stages": 4, **earlier}  # files from before --stages were 4-stage runs
+    differ = [k for k in RUN_KEYS if earlier.get(k) != later.get(k)]
+    if differ:
+        raise ValueError(
+            "cannot append a run that differs in "
+            + ", ".join(f"{k} ({earlier.get(k)!r} vs {later.get(k)!r})" for k in differ)
+        )
+    return {**earlier, "methods": {**earlier["methods"], **later["methods"]}}
 
 
 if __name__ == "__main__":

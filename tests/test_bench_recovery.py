@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.recovery import P_PER_PERCENT_HOUR, failure_schedule, summarize
+from bench.recovery import P_PER_PERCENT_HOUR, failure_schedule, merge_runs, summarize
 
 
 def test_the_schedule_fails_each_stage_at_the_given_rate_and_replays_by_seed() -> None:
@@ -108,3 +108,19 @@ def test_summary_takes_runs_that_left_a_method_out(tmp_path: Path) -> None:
     assert "checkpoint" not in methods  # one of the two seeds did not run it
     assert methods["checkfree"]["before_random"]["2.5"] == 1
     assert (tmp_path / "recovery-summary.png").stat().st_size > 10_000
+
+
+def test_append_adds_methods_only_to_a_run_made_alike() -> None:
+    earlier = run(10, {"checkfree": 80.0, "random": 100.0})
+    earlier["settings"] = {"model.num_blocks": "4"}  # a file from before --stages
+    later = run(10, {"checkpoint": 120.0})
+    later.update(stages=4, settings={"model.num_blocks": "4"})
+    merged = merge_runs(earlier, later)
+    assert list(merged["methods"]) == ["checkfree", "random", "checkpoint"]
+    assert merged["methods"]["checkpoint"] == later["methods"]["checkpoint"]
+    other_seed = {**later, "seed": 2}
+    with pytest.raises(ValueError, match=r"seed \(1 vs 2\)"):
+        merge_runs(earlier, other_seed)
+    deeper = {**later, "stages": 6}
+    with pytest.raises(ValueError, match="stages"):
+        merge_runs(earlier, deeper)
