@@ -257,7 +257,17 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
         + f"\n{t['failures']} failures"
         for t in table.values()
     ]
-    fig, axes = plt.subplots(1, len(targets) + 1, figsize=(4.2 * (len(targets) + 1), 4.2))
+    # one row of panels for a few runs; two rows, each panel wide enough to label every
+    # run, for more
+    npanels = len(targets) + 1
+    rows = 1 if len(names) <= 5 else 2
+    cols = -(-npanels // rows)
+    panel_w = max(4.2, 0.95 * len(names))
+    fig, grid = plt.subplots(rows, cols, figsize=(panel_w * cols, 4.4 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for spare in axes[npanels:]:
+        spare.remove()
+    axes = axes[:npanels]
     panels = [(str(t), f"seconds to eval loss {t:g}") for t in targets] + [("final", "")]
     for ax, (key, title) in zip(axes, panels, strict=True):
         for i, method in enumerate(method_names):
