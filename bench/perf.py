@@ -76,6 +76,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "hop_p50_ratio_to_echo": _median_ratio(runs, "hop_p50_ratio_to_echo"),
         "hop_p99_ratio_to_echo": _median_ratio(runs, "hop_p99_ratio_to_echo"),
+        "hop_encoding_p50_ratio_to_echo": _median_ratio(runs, "hop_encoding_p50_ratio_to_echo"),
         "hop_p50_ms": statistics.median(r["hop"]["p50_ms"] for r in runs),
         "hop_p99_ms": statistics.median(r["hop"]["p99_ms"] for r in runs),
         "echo_p50_ms": statistics.median(r["echo"]["p50_ms"] for r in runs),

@@ -5,8 +5,8 @@ Serves, on 127.0.0.1 and on the event loop the daemon uses (``node.cli.asyncio_r
 - ``POST /rpc``: the daemon's request path: ``node.transport.read_frame`` (bounded read,
   zero-copy frame decode), then for a ``Forward`` what the daemon's ``_activation`` does on
   arrival (``open_tensor`` and the finiteness check on the encoded tensor; the daemon
-  decodes it to float32 on its compute thread, so this peer does not) unless the activation is
-  larger than ``--check-max-bytes`` (the 64 MiB throughput payload is only decoded, so that
+  decodes it to float32 on its compute thread, so this peer does not) unless the activation
+  decodes to more than ``--check-max-bytes`` (the 64 MiB throughput payload is only decoded, so that
   the wire is measured and not torch), and an ``Ack`` frame back;
 - ``POST /echo``: bare aiohttp, the request body read and sent back;
 - ``POST /ok``: bare aiohttp, the request body read and a 2-byte reply;
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import socket
 import struct
 import sys
@@ -72,9 +73,9 @@ def make_app(limits: Limits, check_max_bytes: int) -> web.Application:
         except ProtocolError as e:
             return frame_response(Error(code=e.code, message=str(e)), e.http_status)
         if isinstance(msg, Forward):
-            nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-            if nbytes <= check_max_bytes:
-                assert open_tensor(msg.tensors, msg.meta).finite()
+            activation = open_tensor(msg.tensors, msg.meta)
+            if 4 * math.prod(activation.shape) <= check_max_bytes:  # float32 bytes, decoded
+                assert activation.finite()
         return frame_response(Ack())
 
     async def echo(request: web.Request) -> web.Response:

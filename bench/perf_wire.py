@@ -10,7 +10,10 @@ Each comparison alternates the two methods within one run, so both see the same 
   memory with ``socket.sendall`` and read with ``recv_into`` into a preallocated buffer;
 - latency: one activation hop of a small microbatch (a bf16 ``[1, 64, d_model]`` activation,
   what the daemon sends, checked on arrival as the daemon does), against a bare aiohttp echo
-  of a body of the same size, and a bare aiohttp POST with a 2-byte reply.
+  of a body of the same size, and a bare aiohttp POST with a 2-byte reply. Each hop sends a
+  fresh message whose frame was encoded before the clock starts, as the daemon's compute
+  thread does (``protocol.messages.prepare``); "hop_encoding" times fresh messages encoded on
+  the event loop inside the hop, what the daemon did before, so both are on record.
 
 Does not own the peer process's handlers (``bench/perf_peer.py``) or the JSON (``bench/perf.py``).
 """
@@ -18,6 +21,7 @@ Does not own the peer process's handlers (``bench/perf_peer.py``) or the JSON (`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -36,7 +40,7 @@ import torch
 from node.cli import asyncio_run
 from node.transport import HttpTransport
 from protocol.frames import Limits, frame_nbytes
-from protocol.messages import Forward, Hop, Message, encode_message
+from protocol.messages import Forward, Hop, Message, encode_message, prepare
 from protocol.quant import encode_tensor
 
 _LENGTH = struct.Struct("<Q")
@@ -166,7 +170,11 @@ def measure_latency(num_hops: int, d_model: int = 128, seq_len: int = 64) -> dic
     async def run(peer: Peer) -> dict[str, list[float]]:
         transport = HttpTransport(Limits())
         await transport.start()
-        samples: dict[str, list[float]] = {"hop": [], "echo": [], "post": []}
+        samples: dict[str, list[float]] = {"hop": [], "hop_encoding": [], "echo": [], "post": []}
+
+        def fresh() -> Forward:  # a new message: no frame kept from an earlier hop
+            return dataclasses.replace(msg, mb_id=f"bench.{len(samples['hop'])}.1")
+
         async with aiohttp.ClientSession() as session:
 
             async def bare(path: str) -> float:
@@ -176,12 +184,19 @@ def measure_latency(num_hops: int, d_model: int = 128, seq_len: int = 64) -> dic
                 return time.perf_counter() - t0
 
             for _ in range(block):  # warm-up, discarded
-                await _frame_round_trip(transport, peer.http, msg)
+                await _frame_round_trip(transport, peer.http, prepare(fresh()))
+                await _frame_round_trip(transport, peer.http, fresh())
                 await bare("/echo")
                 await bare("/ok")
             for _ in range(max(1, num_hops // block)):
                 for _ in range(block):
-                    samples["hop"].append(await _frame_round_trip(transport, peer.http, msg))
+                    hop = prepare(fresh())
+                    samples["hop"].append(await _frame_round_trip(transport, peer.http, hop))
+                for _ in range(block):
+                    hop = fresh()
+                    samples["hop_encoding"].append(
+                        await _frame_round_trip(transport, peer.http, hop)
+                    )
                 for _ in range(block):
                     samples["echo"].append(await bare("/echo"))
                 for _ in range(block):
@@ -201,4 +216,5 @@ def measure_latency(num_hops: int, d_model: int = 128, seq_len: int = 64) -> dic
     out["hop_p50_ratio_to_echo"] = out["hop"]["p50_ms"] / out["echo"]["p50_ms"]
     out["hop_p99_ratio_to_echo"] = out["hop"]["p99_ms"] / out["echo"]["p99_ms"]
     out["hop_p50_ratio_to_post"] = out["hop"]["p50_ms"] / out["post"]["p50_ms"]
+    out["hop_encoding_p50_ratio_to_echo"] = out["hop_encoding"]["p50_ms"] / out["echo"]["p50_ms"]
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def save_checkpoint(
 
 def load_checkpoint(
     directory: str | Path, stage: int
-) -> tuple[dict[str, torch.Tensor], int, int] | None:
+) -> tuple[Mapping[str, torch.Tensor], int, int] | None:
     """``(tensors, step, samples)`` of the stage's last save, or None if there is none."""
     path = checkpoint_path(directory, stage)
     if not path.is_file():

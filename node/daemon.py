@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ from protocol.messages import (
     Rollback,
     StageState,
     expect,
+    prepare,
 )
 from protocol.quant import WireTensor, encode_tensor, open_tensor
 from swarm.discovery import (
@@ -605,7 +606,7 @@ class Node:
         if not self.ready:
             raise Refused("not_ready", "this node has not finished joining", 503)
 
-    def _activation(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> WireTensor:
+    def _activation(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> WireTensor:
         """Check an incoming activation or gradient, [B, T, d_model] and finite, as it came:
         the compute job decodes it (``WireTensor``), so the event loop runs no conversion."""
         x = open_tensor(tensors, meta)
@@ -711,25 +712,28 @@ class Node:
         assert runner is not None
         codec = self.config.train.wire_codec
 
-        def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        path = [*msg.path, Hop(self.stage, self.peer_id, self.address)]
+        route = msg.route or list(range(1, self.num_stages))
+        hop = len(msg.path) - 1  # our position in the route
+        nxt = route[hop + 1] if hop + 1 < len(route) else 0
+
+        def compute() -> Forward:
             out = runner.block_forward(msg.mb_id, x.decode(), train=not msg.eval)
-            return encode_tensor(out, codec, name="h")
+            tensors, meta = encode_tensor(out, codec, name="h")
+            return prepare(
+                Forward(
+                    mb_id=msg.mb_id,
+                    target_stage=nxt,
+                    path=path,
+                    eval=msg.eval,
+                    meta=meta,
+                    tensors=tensors,
+                    route=msg.route,
+                )
+            )
 
         async def job() -> Callable[[], Awaitable[bool]]:
-            tensors, meta = await runner.run(compute)
-            path = [*msg.path, Hop(self.stage, self.peer_id, self.address)]
-            route = msg.route or list(range(1, self.num_stages))
-            hop = len(msg.path) - 1  # our position in the route
-            nxt = route[hop + 1] if hop + 1 < len(route) else 0
-            out = Forward(
-                mb_id=msg.mb_id,
-                target_stage=nxt,
-                path=path,
-                eval=msg.eval,
-                meta=meta,
-                tensors=tensors,
-                route=msg.route,
-            )
+            out = await runner.run(compute)
             if nxt == 0:
                 return lambda: self.send_to(path[0], out)
             return lambda: self.send_to_stage(nxt, out)
@@ -741,14 +745,17 @@ class Node:
         assert runner is not None
         codec = self.config.train.wire_codec
 
-        def compute() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-            return encode_tensor(runner.block_backward(msg.mb_id, g.decode()), codec, name="g")
+        def compute() -> Backward:
+            grad = runner.block_backward(msg.mb_id, g.decode())
+            tensors, meta = encode_tensor(grad, codec, name="g")
+            return prepare(
+                Backward(
+                    mb_id=msg.mb_id, index=msg.index - 1, path=msg.path, meta=meta, tensors=tensors
+                )
+            )
 
         async def job() -> Callable[[], Awaitable[bool]]:
-            tensors, meta = await runner.run(compute)
-            back = Backward(
-                mb_id=msg.mb_id, index=msg.index - 1, path=msg.path, meta=meta, tensors=tensors
-            )
+            back = await runner.run(compute)
             return lambda: self.send_to(msg.path[msg.index - 1], back)
 
         return job

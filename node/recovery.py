@@ -37,6 +37,7 @@ import logging
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ class RecoveryService:
             Path(tempfile.gettempdir()) / f"murmuration-checkpoints-{node.config.swarm.name}"
         )
 
-    async def screen_source(self, peer_id: str, tensors: dict[str, torch.Tensor]) -> bool:
+    async def screen_source(self, peer_id: str, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether the weights in ``tensors`` (``param.*`` entries) may be used; if not, the
         source is banned. ``ValueError`` when they do not fit this stage at all."""
         runner = self.node.runner
@@ -318,6 +319,6 @@ class RecoveryService:
         }
 
 
-def _params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _params(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights in a ``StageState``'s tensors, named as the stage module names them."""
     return {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -525,7 +525,7 @@ class StageRunner:
         fresh = build_stage(c.model, c.swarm.num_block_stages, self.stage, seed)
         self.adopt_weights(fresh.state_dict(), lr_scale)
 
-    def load(self, tensors: dict[str, torch.Tensor], step: int, samples: int) -> None:
+    def load(self, tensors: Mapping[str, torch.Tensor], step: int, samples: int) -> None:
         """Adopt a live replica's state; ``ValueError`` if it does not fit this stage."""
         own = self.module.state_dict()
         params = {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}

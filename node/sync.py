@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +47,7 @@ def weight_screen(config: SyncConfig) -> WeightScreen:
     )
 
 
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.data import TextDataset, open_dataset, shard_of
-from protocol.messages import Backward, Forward, Hop
+from protocol.messages import Backward, Forward, Hop, prepare
 from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
@@ -208,21 +208,26 @@ class HeadTrainer:
         self.pending[p.mb_id] = p
         self.node.counters["microbatches_issued"] += 1  # with the insert: issued == ended + pending
         codec = self.train.wire_codec
-        tensors, meta = await runner.run(
-            lambda: encode_tensor(runner.head_embed(ids), codec, name="h")
-        )
         route: list[int] = []
         if self.config.recovery.method == "checkfree+" and eval_result is None:
             route = checkfree_plus_route(seq, self.config.swarm.num_block_stages)
-        msg = Forward(
-            mb_id=p.mb_id,
-            target_stage=route[0] if route else 1,
-            path=[Hop(0, self.node.peer_id, self.node.address)],
-            eval=eval_result is not None,
-            meta=meta,
-            tensors=tensors,
-            route=route,
-        )
+        mb_id, path = p.mb_id, [Hop(0, self.node.peer_id, self.node.address)]
+
+        def compute() -> Forward:
+            tensors, meta = encode_tensor(runner.head_embed(ids), codec, name="h")
+            return prepare(
+                Forward(
+                    mb_id=mb_id,
+                    target_stage=route[0] if route else 1,
+                    path=path,
+                    eval=eval_result is not None,
+                    meta=meta,
+                    tensors=tensors,
+                    route=route,
+                )
+            )
+
+        msg = await runner.run(compute)
         self._spawn(self._send_first(p, msg))
 
     async def _send_first(self, p: Pending, msg: Forward) -> None:
@@ -273,16 +278,18 @@ class HeadTrainer:
                     p.eval_result.set_result(loss)
                 return None
 
-            def compute() -> tuple[float, dict[str, torch.Tensor], dict[str, Any]]:
+            def compute() -> tuple[float, Backward]:
                 loss, grad = runner.head_loss(h.decode(), p.labels, True)
                 assert grad is not None
-                return (loss, *encode_tensor(grad, codec, name="g"))
+                tensors, meta = encode_tensor(grad, codec, name="g")
+                index = len(msg.path) - 1
+                back = Backward(
+                    mb_id=msg.mb_id, index=index, path=msg.path, meta=meta, tensors=tensors
+                )
+                return loss, prepare(back)
 
-            loss, tensors, meta = await runner.run(compute)
+            loss, back = await runner.run(compute)
             self._record_loss(loss)
-            back = Backward(
-                mb_id=msg.mb_id, index=len(msg.path) - 1, path=msg.path, meta=meta, tensors=tensors
-            )
             return lambda: self._send_back(p, back)
 
         return job

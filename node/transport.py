@@ -34,14 +34,12 @@ from yarl import URL
 
 from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
 from protocol.errors import FrameTooLarge, ProtocolError
-from protocol.frames import Limits, frame_nbytes
+from protocol.frames import SMALL_FRAME_BYTES, Limits, frame_nbytes
 from protocol.messages import Ack, Error, Message, decode_message, encode_message
 from swarm.seams import TransportError
 
 CONTENT_TYPE = "application/x-murmuration-frame"
 RPC_PATH = "/rpc"
-SMALL_FRAME_BYTES = 1 << 16
-"""Frames up to this size are sent as one joined buffer (see ``frame_body``)."""
 LARGE_DIGEST_BYTES = 1 << 20
 """Frames from this size on are hashed on a worker thread (hashlib releases the GIL)."""
 
@@ -141,12 +139,13 @@ reply equal to it is known without decoding (``bench/perf.py``, hop latency)."""
 
 
 def frame_body(buffers: Sequence[bytes | memoryview]) -> bytes | FramePayload:
-    """An HTTP body for a frame: a small one joined into one ``bytes``, a large one written
-    from its buffers as they are (tensors from their own memory).
+    """An HTTP body for a frame: a small one (``SMALL_FRAME_BYTES``) as one ``bytes``, a large
+    one written from its buffers as they are (tensors from their own memory).
 
-    Written piece by piece, a small frame would leave as several TCP segments and wake the
-    receiver for each; and aiohttp sends ``bytes`` with less work than a ``Payload`` of its
-    own (``bench/perf.py``, hop latency)."""
+    aiohttp sends ``bytes`` with less work than a ``Payload`` of its own (``bench/perf.py``,
+    hop latency). A frame ``protocol.messages.prepare`` joined already is sent as it is."""
+    if len(buffers) == 1 and type(buffers[0]) is bytes:
+        return buffers[0]
     if frame_nbytes(buffers) <= SMALL_FRAME_BYTES:
         return b"".join(buffers)
     return FramePayload(buffers)
@@ -208,18 +207,22 @@ async def _read_bounded(
 ) -> bytes | bytearray:
     """The whole body, refused once it passes ``max_bytes``.
 
-    A body that arrives in one chunk is returned as it is. A longer one with a declared
-    length is copied into one buffer of that length chunk by chunk as it arrives, each chunk
-    released at once: keeping them all and joining at the end holds twice the memory and, for
-    large frames, takes several times as long (every chunk is fresh, page-faulted memory;
-    ``bench/perf.py``, wire throughput).
+    A body that arrives in one chunk is returned as it is, at once when it has its declared
+    length (a small frame, the common case: no second read to see the end). A longer one with
+    a declared length is copied into one buffer of that length chunk by chunk as it arrives,
+    each chunk released at once: keeping them all and joining at the end holds twice the
+    memory and, for large frames, takes several times as long (every chunk is fresh,
+    page-faulted memory; ``bench/perf.py``, wire throughput).
     """
     if declared is not None and declared > max_bytes:
         raise FrameTooLarge(f"body declares {declared} bytes, limit is {max_bytes}")
+    chunk = await stream.readany()
+    if len(chunk) == declared:  # the HTTP parser delivers no more than the declared length
+        return chunk
     chunks: list[bytes] = []
     buf: bytearray | None = None
     total = 0
-    async for chunk in stream.iter_any():
+    while chunk:
         end = total + len(chunk)
         if end > max_bytes:
             raise FrameTooLarge(f"body exceeds the {max_bytes}-byte frame limit")
@@ -231,6 +234,7 @@ async def _read_bounded(
         else:
             chunks.append(chunk)
         total = end
+        chunk = await stream.readany()
     if buf is not None:
         del buf[total:]  # a body cut short stays short: decoding reports it truncated
         return buf

@@ -33,8 +33,9 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -57,10 +58,13 @@ __all__ = [
     "ALIGN",
     "DEFAULT_LIMITS",
     "DTYPES",
+    "FrameTensors",
     "MAGIC",
     "MAX_NESTING",
     "PREFIX_BYTES",
     "PROTOCOL_VERSION",
+    "SMALL_FRAME_BYTES",
+    "TensorSpec",
     "Limits",
     "decode_frame",
     "dtype_name",
@@ -78,6 +82,9 @@ ALIGN: int = 64
 """Alignment of the tensor tail and of each tensor within it, in bytes."""
 MAX_NESTING: int = 32
 """Deepest nesting of maps and lists allowed in header fields."""
+SMALL_FRAME_BYTES: int = 1 << 16
+"""A frame up to this size is best sent as one joined buffer: written piece by piece it would
+leave as several TCP segments and wake the receiver for each (``bench/perf.py``, hop latency)."""
 
 _ZEROS = bytes(ALIGN)
 _INT_MIN = -(1 << 63)
@@ -557,11 +564,11 @@ def _parse_table(table: list[Any], tail_bytes: int, limits: Limits) -> list[_Ent
 
 def decode_frame(
     buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[str, dict[str, Any], FrameTensors]:
     """Decode one whole frame into ``(msg_type, fields, tensors)``.
 
     Tensors are zero-copy views into ``buf`` (see the module docstring: read-only by
-    contract when ``buf`` is ``bytes``). Every fault raises a distinct ``ProtocolError``,
+    contract when ``buf`` is ``bytes``), made when first looked up (``FrameTensors``). Every fault raises a distinct ``ProtocolError``,
     checked in this order before anything large is allocated: frame size, prefix
     (see ``parse_prefix``), header bounds, msgpack and header structure, then each tensor
     table entry, duplicate names, overlaps and trailing bytes. Bool tensors must hold only
@@ -590,37 +597,86 @@ def decode_frame(
         raise BadTensorSpec(
             f"frame is {size} bytes but its header and tensor table end at byte {expected}"
         )
+    return msg_type, fields, FrameTensors(view, entries, tail_start)
 
+
+class TensorSpec(NamedTuple):
+    """A frame tensor as it travelled: its dtype, shape and bytes (a view of the frame)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+class FrameTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a decoded frame, by name, each a zero-copy view of the frame made when it
+    is first looked up. ``spec`` gives a tensor's dtype, shape and bytes without torch: a
+    receiver checks an activation on the event loop that way and makes the view on its compute
+    thread: between requests a torch call costs the event loop several times what it costs in
+    a tight loop (``bench/perf.py``, hop latency). Bool tensors are checked and made while the
+    frame is decoded."""
+
+    __slots__ = ("_entries", "_made", "_tail_start", "_view")
+
+    def __init__(self, view: memoryview, entries: list[_Entry], tail_start: int) -> None:
+        self._view = view
+        self._tail_start = tail_start
+        self._entries = {e.name: e for e in entries}
+        self._made: dict[str, torch.Tensor] = {}
+        for e in entries:
+            if e.dtype == torch.bool and e.numel:
+                raw = _frombuffer(view, torch.uint8, e.nbytes, tail_start + e.offset)
+                if int(raw.max()) > 1:
+                    raise BadTensorSpec(
+                        f"bool tensor {_short(e.name)} holds bytes other than 0 and 1"
+                    )
+                self._made[e.name] = raw.view(torch.bool).view(e.shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._made.get(name)
+        if tensor is None:
+            e = self._entries[name]
+            if e.numel == 0:
+                tensor = torch.empty(e.shape, dtype=e.dtype)
+            else:
+                flat = _frombuffer(self._view, e.dtype, e.numel, self._tail_start + e.offset)
+                tensor = flat.view(e.shape)
+            self._made[name] = tensor  # two threads making it at once make equal views
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __repr__(self) -> str:
+        return f"FrameTensors({', '.join(map(repr, self._entries))})"
+
+    def spec(self, name: str) -> TensorSpec | None:
+        """Tensor ``name``'s dtype, shape and bytes, or None if the frame has no such tensor."""
+        e = self._entries.get(name)
+        if e is None:
+            return None
+        start = self._tail_start + e.offset
+        return TensorSpec(e.dtype, e.shape, self._view[start : start + e.nbytes])
+
+
+_quiet_lock = threading.Lock()
+
+
+def _frombuffer(view: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    """``torch.frombuffer``, silencing torch's warning that a read-only buffer gives a writable
+    tensor: the views are read-only by contract. torch issues it once per process (a flag in
+    its C++ code), so only the first view of a read-only frame pays for catching it."""
     global _quiet_views
     if view.readonly and not _quiet_views:
-        # torch warns (once per process: a flag in its C++ code) that a read-only buffer
-        # gives a writable tensor; the views are read-only by contract, so that warning is
-        # silenced the first time, and later decodes skip the cost of catching warnings.
-        with warnings.catch_warnings():
+        with _quiet_lock, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_WRITABLE, category=UserWarning)
-            tensors = _tensor_views(view, entries, tail_start)
-        _quiet_views = any(e.numel for e in entries)  # the warning has been issued
-    else:
-        tensors = _tensor_views(view, entries, tail_start)
-    return msg_type, fields, tensors
-
-
-def _tensor_views(
-    view: memoryview, entries: list[_Entry], tail_start: int
-) -> dict[str, torch.Tensor]:
-    """Zero-copy tensors over the frame's tail, as the table describes them."""
-    tensors: dict[str, torch.Tensor] = {}
-    for e in entries:
-        if e.numel == 0:
-            tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
-            continue
-        start = tail_start + e.offset
-        if e.dtype == torch.bool:
-            raw = torch.frombuffer(view, dtype=torch.uint8, count=e.nbytes, offset=start)
-            if int(raw.max()) > 1:
-                raise BadTensorSpec(f"bool tensor {_short(e.name)} holds bytes other than 0 and 1")
-            flat = raw.view(torch.bool)
-        else:
-            flat = torch.frombuffer(view, dtype=e.dtype, count=e.numel, offset=start)
-        tensors[e.name] = flat.view(e.shape)
-    return tensors
+            tensor = torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+            _quiet_views = True
+            return tensor
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)

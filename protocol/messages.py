@@ -19,9 +19,18 @@ from typing import Any, ClassVar, TypeVar, Union
 import torch
 
 from protocol.errors import MalformedMessage, UnknownMessageType
-from protocol.frames import Limits, decode_frame, encode_frame
+from protocol.frames import (
+    SMALL_FRAME_BYTES,
+    Limits,
+    decode_frame,
+    encode_frame,
+    frame_nbytes,
+    join_frame,
+)
 
-_Tensors = dict[str, torch.Tensor]
+_Tensors = Mapping[str, torch.Tensor]
+"""A message's tensors by name: a ``dict`` for one made here, ``protocol.frames.FrameTensors``
+(views of the frame, made when looked up) for one decoded from a frame."""
 
 
 @dataclass(frozen=True)
@@ -242,10 +251,37 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
 M = TypeVar("M", bound=Message)
 
 
-def encode_message(msg: Message) -> list[bytes | memoryview]:
-    """The frame buffers for ``msg``, tensors sent from their own memory."""
-    fields = {name: _to_wire(getattr(msg, name)) for name in _field_names(type(msg))}
-    return encode_frame(msg.TYPE, fields, msg.tensors)
+_FRAME = "_frame"
+"""Where a message keeps its encoded frame: in its ``__dict__``, outside the dataclass fields
+(so equality, ``repr`` and ``dataclasses.replace`` ignore it)."""
+
+
+def encode_message(msg: Message) -> tuple[bytes | memoryview, ...]:
+    """The frame buffers for ``msg``, tensors sent from their own memory.
+
+    Encoded once per message and kept on it (a message is immutable, its tensors by
+    contract): a frame ``prepare`` encoded where the message was made, off the event loop,
+    costs the sender nothing, and a retry to another peer nothing again.
+    """
+    buffers: tuple[bytes | memoryview, ...] | None = msg.__dict__.get(_FRAME)
+    if buffers is None:
+        fields = {name: _to_wire(getattr(msg, name)) for name in _field_names(type(msg))}
+        buffers = msg.__dict__[_FRAME] = tuple(encode_frame(msg.TYPE, fields, msg.tensors))
+    return buffers
+
+
+def prepare(msg: M) -> M:
+    """``msg``, its frame encoded now and kept (``encode_message``); a frame of at most
+    ``SMALL_FRAME_BYTES`` joined into one buffer, so sending it joins nothing.
+
+    Call it where a message is made on a compute thread: encoding reads each tensor's memory
+    through torch, the largest of our costs on the event loop when sending an activation
+    (``bench/perf.py``, hop latency: "hop_encoding" against "hop").
+    """
+    buffers = encode_message(msg)
+    if len(buffers) > 1 and frame_nbytes(buffers) <= SMALL_FRAME_BYTES:
+        msg.__dict__[_FRAME] = (join_frame(buffers),)
+    return msg
 
 
 def decode_message(buf: bytes | bytearray | memoryview, limits: Limits | None = None) -> Message:

@@ -18,15 +18,17 @@ Quantize on the sender just before sending; dequantize on arrival.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from protocol.errors import BadTensorSpec, MalformedMessage
-from protocol.frames import DTYPES, dtype_name
+from protocol.frames import DTYPES, FrameTensors, TensorSpec, dtype_name
 
 __all__ = [
     "CODECS",
@@ -37,6 +39,7 @@ __all__ = [
     "decode_tensor",
     "dequantize_blockwise",
     "encode_tensor",
+    "finite_bits",
     "from_tensors",
     "open_tensor",
     "quantize_blockwise",
@@ -238,12 +241,17 @@ class WireTensor:
 
     A receiver checks it where the request arrives and decodes it where the work is done:
     on a small activation, converting to float32 on the event loop took a fifth of a hop's
-    time on the receiving side (``bench/perf.py``, hop latency).
+    time on the receiving side, and any torch call there costs far more than it does in a
+    tight loop (``bench/perf.py``, hop latency). An fp32 or bf16 tensor that came in a frame
+    is checked on its bytes (``finite_bits``), without torch.
     """
 
     shape: tuple[int, ...]
-    encoded: torch.Tensor | Quantized
-    """The values as they travelled (fp32 or bf16), or the int8 codes and scales."""
+    encoded: torch.Tensor | Quantized | Callable[[], torch.Tensor]
+    """The values as they travelled (fp32 or bf16; or what makes that view of the frame, on
+    first use), or the int8 codes and scales."""
+    spec: TensorSpec | None = None
+    """The fp32 or bf16 values' dtype, shape and bytes as they travelled, when in a frame."""
 
     def finite(self) -> bool:
         """True when the decoded tensor holds no NaN or infinity. int8 codes are integers
@@ -252,17 +260,25 @@ class WireTensor:
         if isinstance(self.encoded, Quantized):
             scales = self.encoded.scales
             return not scales.numel() or float(scales.max()) * (_QMAX + 1) <= _F32_MAX
-        return all_finite(self.encoded)
+        if self.spec is not None:
+            return finite_bits(self.spec.data, self.spec.dtype)
+        return all_finite(self._values())
 
     def decode(self) -> torch.Tensor:
         """The float32 tensor (for "fp32" a view of the frame: read-only by contract)."""
         if isinstance(self.encoded, Quantized):
             return dequantize_blockwise(self.encoded)
-        return self.encoded.to(torch.float32)
+        return self._values().to(torch.float32)
+
+    def _values(self) -> torch.Tensor:
+        encoded = self.encoded
+        assert not isinstance(encoded, Quantized)
+        return encoded if isinstance(encoded, torch.Tensor) else encoded()
 
 
 def open_tensor(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> WireTensor:
-    """The encoded tensor ``meta`` describes, its parts checked against it but not decoded.
+    """The encoded tensor ``meta`` describes, its parts checked against it but not decoded
+    (nor, for fp32 and bf16 in a frame, made into a torch view yet: ``FrameTensors``).
 
     ``MalformedMessage`` for bad metadata or a missing tensor, ``BadTensorSpec`` when a
     tensor does not match its metadata (as ``decode_tensor``).
@@ -274,8 +290,9 @@ def open_tensor(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) ->
         raise MalformedMessage(f"unknown wire codec {codec!r}; known: {', '.join(CODECS)}")
     name = _meta_field(meta, "name", str)
     shape = _meta_field(meta, "shape", list)
-    if not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedMessage(f"tensor metadata 'shape' must list sizes, got {shape!r}")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise MalformedMessage(f"tensor metadata 'shape' must list sizes, got {shape!r}")
     dtype_str = _meta_field(meta, "dtype", str)
     if dtype_str not in DTYPES:
         raise MalformedMessage(f"tensor metadata 'dtype' {dtype_str!r} is not a known dtype")
@@ -284,15 +301,49 @@ def open_tensor(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) ->
         dtype = DTYPES[dtype_str]
         return WireTensor(tuple(shape), from_tensors(tensors, name, shape, numel, dtype))
     wire_dtype = torch.float32 if codec == "fp32" else torch.bfloat16
+    if isinstance(tensors, FrameTensors):
+        spec = tensors.spec(name)
+        if spec is None:
+            raise MalformedMessage(f"frame lacks tensor {name!r} named by its metadata")
+        _check_spec(name, spec.dtype, spec.shape, codec, wire_dtype, shape)
+        return WireTensor(tuple(shape), functools.partial(tensors.__getitem__, name), spec)
     t = tensors.get(name)
     if not isinstance(t, torch.Tensor):
         raise MalformedMessage(f"frame lacks tensor {name!r} named by its metadata")
-    if t.dtype != wire_dtype or list(t.shape) != shape:
-        raise BadTensorSpec(
-            f"tensor {name!r} is {t.dtype} of shape {list(t.shape)}, metadata says "
-            f"{codec} of shape {shape}"
-        )
+    _check_spec(name, t.dtype, tuple(t.shape), codec, wire_dtype, shape)
     return WireTensor(tuple(shape), t)
+
+
+def _check_spec(
+    name: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    codec: str,
+    wire_dtype: torch.dtype,
+    meta_shape: list[int],
+) -> None:
+    if dtype != wire_dtype or list(shape) != meta_shape:
+        raise BadTensorSpec(
+            f"tensor {name!r} is {dtype} of shape {list(shape)}, metadata says "
+            f"{codec} of shape {meta_shape}"
+        )
+
+
+_EXPONENT_BITS: dict[torch.dtype, tuple[str, int]] = {
+    torch.float32: ("<u4", 0x7F80_0000),
+    torch.bfloat16: ("<u2", 0x7F80),
+    torch.float16: ("<u2", 0x7C00),
+}
+"""Per float dtype: its bits as an unsigned little-endian integer, and its exponent mask."""
+
+
+def finite_bits(data: memoryview | bytes, dtype: torch.dtype) -> bool:
+    """True when the little-endian ``dtype`` values in ``data`` are all finite, read from their
+    bits with numpy: an IEEE value is NaN or infinite exactly when its exponent bits are all
+    ones. One masked copy and one reduction, no torch (see ``WireTensor``)."""
+    kind, mask = _EXPONENT_BITS[dtype]
+    bits = np.frombuffer(data, dtype=kind)
+    return not bits.size or int((bits & mask).max()) != mask
 
 
 def all_finite(x: torch.Tensor) -> bool:

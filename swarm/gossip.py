@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,7 @@ _TRANSIENT = ("busy", "not_ready")
 class Contribution:
     """What a replica offers for one round: encoded tensors plus their codec metadata."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     meta: dict[str, Any]
 
 

@@ -29,6 +29,7 @@ from protocol.frames import (
     MAGIC,
     PREFIX_BYTES,
     PROTOCOL_VERSION,
+    FrameTensors,
     Limits,
     decode_frame,
     dtype_name,
@@ -262,6 +263,30 @@ def test_decode_bytes_is_zero_copy_without_warning_and_keeps_buffer_alive() -> N
     del frame
     gc.collect()
     assert torch.equal(out, t)
+
+
+def test_frame_tensors_give_specs_without_views_and_views_on_lookup() -> None:
+    h = torch.randn(2, 3).to(torch.bfloat16)
+    frame = join_frame(
+        encode_frame("t", {}, {"h": h, "n": torch.arange(5), "e": torch.empty(0, 4)})
+    )
+    tensors = decode_frame(frame)[2]
+    assert isinstance(tensors, FrameTensors)
+    assert list(tensors) == ["h", "n", "e"] and len(tensors) == 3
+    assert "h" in tensors and "x" not in tensors and tensors.get("x") is None
+    spec = tensors.spec("h")
+    assert spec is not None and spec.dtype == torch.bfloat16 and spec.shape == (2, 3)
+    assert bytes(spec.data) == h.view(torch.uint8).numpy().tobytes()
+    assert tensors.spec("x") is None
+    assert "h" not in tensors._made  # a spec makes no torch view
+    view = tensors["h"]
+    assert torch.equal(view, h) and tensors["h"] is view  # made once, then kept
+    lo, hi = address_range(frame)
+    assert lo <= view.data_ptr() < hi
+    assert tensors["e"].shape == (0, 4) and torch.equal(tensors["n"], torch.arange(5))
+    assert dict(tensors).keys() == {"h", "n", "e"}
+    with pytest.raises(KeyError):
+        tensors["x"]
 
 
 # ----------------------------------------------------------------------------- bad frames

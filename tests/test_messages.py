@@ -1,10 +1,12 @@
-"""Typed messages: round trips, strict field checking, unknown types."""
+"""Typed messages: round trips, strict field checking, unknown types, kept frames."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from protocol.errors import MalformedMessage, ProtocolError, UnknownMessageType
-from protocol.frames import encode_frame, join_frame
+from protocol.frames import SMALL_FRAME_BYTES, encode_frame, frame_nbytes, join_frame
 from protocol.messages import (
     MESSAGE_TYPES,
     Ack,
@@ -26,6 +28,7 @@ from protocol.messages import (
     decode_message,
     encode_message,
     expect,
+    prepare,
 )
 
 
@@ -186,3 +189,41 @@ def test_a_refusal_says_where_the_bad_field_is(
     with pytest.raises(MalformedMessage) as info:
         decode_message(join_frame(encode_frame(msg_type, fields)))
     assert str(info.value) == message
+
+
+def _forward(numel: int) -> Forward:
+    tensors = {"h": torch.arange(numel, dtype=torch.float32)}
+    meta = {"codec": "fp32", "name": "h", "shape": [numel], "dtype": "float32"}
+    return Forward(
+        mb_id="m.1.1",
+        target_stage=1,
+        path=[Hop(0, "p", "a:1")],
+        eval=False,
+        meta=meta,
+        tensors=tensors,
+    )
+
+
+def test_a_message_is_encoded_once_and_its_frame_kept() -> None:
+    msg = _forward(16)
+    frame = encode_message(msg)
+    assert encode_message(msg) is frame
+    copy = dataclasses.replace(msg, mb_id="m.2.1")  # another message: encoded afresh
+    assert encode_message(copy) is not frame
+    assert roundtrip(copy).mb_id == "m.2.1" and roundtrip(msg).mb_id == "m.1.1"
+    assert copy != msg and dataclasses.replace(copy, mb_id="m.1.1") == msg  # not a field
+
+
+def test_prepare_joins_a_small_frame_and_keeps_a_large_one_zero_copy() -> None:
+    small = _forward(16)
+    assert prepare(small) is small
+    (joined,) = encode_message(small)
+    assert type(joined) is bytes and joined == join_frame(encode_message(_forward(16)))
+    large = _forward(SMALL_FRAME_BYTES // 4 + 1)
+    prepare(large)
+    buffers = encode_message(large)
+    assert frame_nbytes(buffers) > SMALL_FRAME_BYTES and len(buffers) > 1
+    tensor = large.tensors["h"]
+    views = [b for b in buffers if isinstance(b, memoryview)]
+    assert torch.frombuffer(views[0], dtype=torch.uint8).data_ptr() == tensor.data_ptr()
+    assert torch.equal(decode_message(join_frame(buffers)).tensors["h"], tensor)

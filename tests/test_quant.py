@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from protocol.errors import BadTensorSpec, MalformedMessage, ProtocolError
-from protocol.frames import decode_frame, encode_frame, join_frame
+from protocol.frames import FrameTensors, decode_frame, encode_frame, join_frame
 from protocol.quant import (
     CODECS,
     DEFAULT_BLOCK,
@@ -18,6 +18,7 @@ from protocol.quant import (
     decode_tensor,
     dequantize_blockwise,
     encode_tensor,
+    finite_bits,
     from_tensors,
     open_tensor,
     quantize_blockwise,
@@ -236,7 +237,7 @@ def test_an_opened_tensor_is_checked_without_being_decoded(codec: str) -> None:
     assert opened.shape == (2, 16, 8) and opened.finite()
     assert torch.equal(opened.decode(), decode_tensor(tensors, meta))
     if codec != "int8":  # the values as they travelled, not a float32 copy
-        assert opened.encoded is tensors["h"]
+        assert opened.encoded is tensors["h"] and opened.spec is None
         bad = tensors["h"].clone()
         bad[1, 2, 3] = math.nan
         assert not open_tensor({"h": bad}, meta).finite()
@@ -253,3 +254,59 @@ def test_an_int8_scale_that_decodes_to_infinity_is_not_finite() -> None:
     assert not torch.isfinite(open_tensor(huge, meta).decode()).all()
     with pytest.raises(BadTensorSpec):
         open_tensor({**tensors, "q.scales": torch.tensor([math.inf])}, meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_finite_bits_agrees_with_torch_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16)
+    values = patterns.view(dtype)
+    finite = torch.isfinite(values.float())
+    assert int(finite.sum()) < (1 << 16)  # the patterns include NaNs and infinities
+    for value, ok in zip(values.split(1), finite.tolist(), strict=True):
+        assert finite_bits(value.view(torch.uint8).numpy().data, dtype) is ok
+
+
+def test_finite_bits_on_float32_hand_picked_and_random_patterns() -> None:
+    hand = {  # bits -> finite
+        0x7F80_0000: False,  # +inf
+        0xFF80_0000: False,  # -inf
+        0x7FC0_0000: False,  # quiet NaN
+        0x7F80_0001: False,  # signalling NaN: exponent all ones, mantissa not zero
+        0x7F7F_FFFF: True,  # the largest finite float32
+        0x0000_0001: True,  # the smallest subnormal
+        0x8000_0000: True,  # -0.0
+    }
+    for bits, ok in hand.items():
+        raw = torch.tensor([bits], dtype=torch.int64).to(torch.uint32).view(torch.uint8)
+        assert finite_bits(raw.numpy().data, torch.float32) is ok
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 1 << 32, (100_000,), generator=g, dtype=torch.int64)
+    values = words.to(torch.uint32).view(torch.float32)
+    data = values.view(torch.uint8).numpy().data
+    assert finite_bits(data, torch.float32) is bool(torch.isfinite(values).all())
+    finite_values = values[torch.isfinite(values)]
+    assert finite_bits(finite_values.view(torch.uint8).numpy().data, torch.float32)
+    assert finite_bits(b"", torch.float32) and finite_bits(b"", torch.bfloat16)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_a_tensor_opened_from_a_frame_is_checked_on_its_bytes(codec: str) -> None:
+    x = torch.randn(2, 16, 8)
+    tensors, meta = encode_tensor(x, codec, name="h")
+    frame_tensors = decode_frame(join_frame(encode_frame("t", {}, tensors)))[2]
+    assert isinstance(frame_tensors, FrameTensors)
+    opened = open_tensor(frame_tensors, meta)
+    assert opened.spec is not None and opened.shape == (2, 16, 8) and opened.finite()
+    assert "h" not in frame_tensors._made  # checked without a torch view of the frame
+    assert torch.equal(opened.decode(), decode_tensor(tensors, meta))
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[1, 2, 3] = bad
+        bad_tensors, _ = encode_tensor(y, codec, name="h")
+        frame = join_frame(encode_frame("t", {}, bad_tensors))
+        assert not open_tensor(decode_frame(frame)[2], meta).finite()
+    wrong = decode_frame(join_frame(encode_frame("t", {}, {"h": x[:1]})))[2]
+    with pytest.raises(BadTensorSpec):
+        open_tensor(wrong, meta)
+    with pytest.raises(MalformedMessage):
+        open_tensor(decode_frame(join_frame(encode_frame("t", {}, {})))[2], meta)

@@ -51,6 +51,14 @@ async def test_single_chunk_is_returned_without_a_copy() -> None:
     assert body is chunk
 
 
+async def test_a_body_of_its_declared_length_returns_without_waiting_for_the_end() -> None:
+    loop = asyncio.get_running_loop()
+    reader = aiohttp.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=loop)
+    chunk = b"y" * 64
+    reader.feed_data(chunk)  # and no end of stream yet
+    assert await asyncio.wait_for(_read_bounded(reader, 1000, declared=64), 1.0) is chunk
+
+
 async def test_body_cut_short_stays_short() -> None:
     body = await _read_bounded(stream([b"a" * 10, b"b" * 10]), 1000, declared=500)
     assert body == b"a" * 10 + b"b" * 10
