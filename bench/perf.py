@@ -70,8 +70,8 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
     from bench.perf_wire import measure_latency
 
     runs = []
-    for i in range(args.repeats):
-        _say(f"latency: {args.hops} hops of 16 KiB, run {i + 1}/{args.repeats}")
+    for i in range(args.latency_repeats):
+        _say(f"latency: {args.hops} hops of 16 KiB, run {i + 1}/{args.latency_repeats}")
         runs.append(measure_latency(args.hops))
     return {
         "hop_p50_ratio_to_echo": _median_ratio(runs, "hop_p50_ratio_to_echo"),
@@ -238,6 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.payload_bytes = (64 << 20) if full else (1 << 20)
     args.wire_reps = 8 if full else 2
     args.hops = 1000 if full else 50
+    args.latency_repeats = 5 if full else 1  # a run is seconds long, and its ratio noisy
     args.swarm_s = 40.0 if full else 2.0
     args.warmup_s = 10.0 if full else 0.5
     args.profile = full

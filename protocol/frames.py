@@ -311,7 +311,10 @@ def encode_frame(
 
 def frame_nbytes(buffers: Iterable[bytes | memoryview]) -> int:
     """Total length in bytes of a frame given as buffers (memoryviews count bytes)."""
-    return sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
+    total = 0
+    for b in buffers:  # a plain loop: a generator costs a frame per call
+        total += b.nbytes if isinstance(b, memoryview) else len(b)
+    return total
 
 
 def join_frame(buffers: Iterable[bytes | memoryview]) -> bytes:
@@ -467,10 +470,6 @@ class _Entry(NamedTuple):
     nbytes: int
 
 
-def _is_int(value: Any) -> bool:
-    return type(value) is int  # bool is an int subclass; msgpack true must not pass
-
-
 def _label(name: str) -> str:
     """How errors name a tensor (formatted only when one is raised)."""
     return f"tensor {_short(name)}"
@@ -499,7 +498,7 @@ def _parse_entry(index: int, entry: Any, tail_bytes: int, limits: Limits) -> _En
                 f"{_label(name)}: shape must be a list of ints, got {_short(shape)}"
             )
         negative = negative or d < 0
-    if not _is_int(offset) or not _is_int(nbytes):
+    if type(offset) is not int or type(nbytes) is not int:  # bool is an int subclass
         raise MalformedHeader(
             f"{_label(name)}: offset and nbytes must be ints, got {_short(offset)}, {_short(nbytes)}"
         )

@@ -283,7 +283,7 @@ def open_tensor(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) ->
     ``MalformedMessage`` for bad metadata or a missing tensor, ``BadTensorSpec`` when a
     tensor does not match its metadata (as ``decode_tensor``).
     """
-    if not isinstance(meta, Mapping):
+    if type(meta) is not dict and not isinstance(meta, Mapping):  # no ABC check for a dict
         raise MalformedMessage(f"tensor metadata must be a map, got {type(meta).__name__}")
     codec = _meta_field(meta, "codec", str)
     if codec not in CODECS:
@@ -301,7 +301,7 @@ def open_tensor(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) ->
         dtype = DTYPES[dtype_str]
         return WireTensor(tuple(shape), from_tensors(tensors, name, shape, numel, dtype))
     wire_dtype = torch.float32 if codec == "fp32" else torch.bfloat16
-    if isinstance(tensors, FrameTensors):
+    if type(tensors) is FrameTensors:  # identity: an ABC isinstance check costs a hop more
         spec = tensors.spec(name)
         if spec is None:
             raise MalformedMessage(f"frame lacks tensor {name!r} named by its metadata")
@@ -343,7 +343,7 @@ def finite_bits(data: memoryview | bytes, dtype: torch.dtype) -> bool:
     ones. One masked copy and one reduction, no torch (see ``WireTensor``)."""
     kind, mask = _EXPONENT_BITS[dtype]
     bits = np.frombuffer(data, dtype=kind)
-    return not bits.size or int((bits & mask).max()) != mask
+    return not bits.size or int(np.maximum.reduce(bits & mask)) != mask
 
 
 def all_finite(x: torch.Tensor) -> bool:
