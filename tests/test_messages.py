@@ -194,14 +194,7 @@ def test_a_refusal_says_where_the_bad_field_is(
 def _forward(numel: int) -> Forward:
     tensors = {"h": torch.arange(numel, dtype=torch.float32)}
     meta = {"codec": "fp32", "name": "h", "shape": [numel], "dtype": "float32"}
-    return Forward(
-        mb_id="m.1.1",
-        target_stage=1,
-        path=[Hop(0, "p", "a:1")],
-        eval=False,
-        meta=meta,
-        tensors=tensors,
-    )
+    return Forward("m.1.1", 1, [Hop(0, "p", "a:1")], False, meta, tensors=tensors)
 
 
 def test_a_message_is_encoded_once_and_its_frame_kept() -> None:
