@@ -1,4 +1,5 @@
-"""Command line: ``node join``, ``status``, ``demo``, ``export``, ``generate`` (also ``murmur``).
+"""Command line: ``node join``, ``status``, ``profile``, ``demo``, ``export``, ``generate``
+(also ``murmur``).
 
 Owns argument parsing, user-facing output and exit codes. Flags are what a volunteer types;
 everything else lives in the TOML config file (``--config``), the environment
@@ -14,13 +15,18 @@ import json
 import os
 import signal
 import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.config import Config, field_docs, resolve_config
+
+if TYPE_CHECKING:
+    from protocol.auth import SwarmAuth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +121,21 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("address", metavar="ADDRESS", help="HOST:PORT of the node")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     s.set_defaults(func=_cmd_status)
+
+    pr = sub.add_parser(
+        "profile",
+        help="where a running node's compute thread spends its CPU, by torch operator",
+    )
+    pr.add_argument("address", metavar="ADDRESS", help="HOST:PORT of the node")
+    pr.add_argument(
+        "--seconds", type=float, default=10.0, help="how long to profile (default 10, at most 300)"
+    )
+    pr.add_argument("--top", type=int, default=15, help="operators to list (default 15)")
+    pr.add_argument("--json", action="store_true", help="print the raw JSON, every operator")
+    pr.add_argument(
+        "--config", metavar="FILE", help="TOML config whose swarm key signs the request"
+    )
+    pr.set_defaults(func=_cmd_profile)
 
     d = sub.add_parser("demo", help="start a local swarm on this machine, train, print a summary")
     d.add_argument("--block-stages", type=int, default=3, help="block stages (default 3)")
@@ -281,6 +302,93 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
             return data
     except (urllib.error.URLError, OSError) as e:
         raise ValueError(f"cannot reach a node at {address}: {e}") from None
+
+
+class NodeRefused(ValueError):
+    """A node answered an operator request with an error: its HTTP status and message."""
+
+    def __init__(self, address: str, status: int, message: str) -> None:
+        super().__init__(f"{address} refused the request ({status}): {message}")
+        self.status = status
+
+
+def post_to_node(
+    address: str,
+    path: str,
+    auth: SwarmAuth | None = None,
+    timeout_s: float = 120.0,
+    query: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """POST an empty body to one of a node's operator endpoints (``/eval``, ``/profile``)
+    and return its JSON answer; a keyed swarm's node wants ``auth``'s proof over the body.
+    Raises NodeRefused with the node's own error, ValueError when it cannot be reached."""
+    headers: dict[str, str] = {}
+    if auth is not None:
+        from protocol.auth import AUTH_HEADER, frame_digest
+
+        sent = auth.sign_request(address, "POST", path, frame_digest([]), time.time())
+        headers[AUTH_HEADER] = sent.header
+    url = f"http://{address}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    req = urllib.request.Request(url, method="POST", data=b"", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            answer: dict[str, Any] = json.loads(resp.read())
+            return answer
+    except urllib.error.HTTPError as e:
+        try:
+            message = str(json.loads(e.read())["error"])
+        except (ValueError, KeyError, TypeError):
+            message = str(e.reason)
+        raise NodeRefused(address, e.code, message) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"cannot reach a node at {address}: {e}") from None
+
+
+def operator_auth(
+    config_path: str | None, settings: dict[str, str] | None = None
+) -> SwarmAuth | None:
+    """The operator's side of a keyed swarm (a fresh identity) from the config, environment
+    and ``settings``, or None for an open swarm."""
+    from node.identity import swarm_auth
+    from protocol.auth import Identity
+
+    net = resolve_config(config_path, os.environ, settings or {}).net
+    return swarm_auth(net, Identity.generate())
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    print(f"profiling {args.address} for {args.seconds:g}s ...", file=sys.stderr, flush=True)
+    answer = post_to_node(
+        args.address,
+        "/profile",
+        operator_auth(args.config),
+        timeout_s=args.seconds + 60.0,
+        query={"seconds": f"{args.seconds:g}"},
+    )
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    print(format_profile(answer, args.top))
+    return 0
+
+
+def format_profile(p: dict[str, Any], top: int) -> str:
+    """A profile's summary: the compute thread's CPU by phase, then the costliest operators."""
+    cpu = p["thread_cpu_s"]
+    role = "head" if p["stage"] == 0 else f"block stage {p['stage']}"
+    lines = [
+        f"node {p['peer_id']}, {role}: {p['wall_s']:.1f}s profiled, {p['samples']} samples, "
+        f"compute thread {cpu:.2f}s CPU ({p['runqueue_wait_s']:.2f}s more waiting for a core)",
+    ]
+    for phase, s in p["phases_cpu_s"].items():
+        lines.append(f"  {phase:<18} {s:8.3f}s  {100 * s / cpu if cpu else 0:5.1f} %")
+    lines.append(f"  {'operator':<52} {'calls':>8} {'self CPU s':>11} {'share':>7}")
+    for op in p["ops"][:top]:
+        share = 100 * op["self_cpu_s"] / cpu if cpu else 0.0
+        lines.append(
+            f"  {op['op'][:52]:<52} {op['calls']:>8} {op['self_cpu_s']:>11.3f} {share:>6.1f}%"
+        )
+    return "\n".join(lines)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

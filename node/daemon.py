@@ -29,6 +29,7 @@ from node.guard import RequestGuard
 from node.identity import swarm_auth
 from node.model import model_fingerprint
 from node.netem import ShapedTransport
+from node.opprofile import DEFAULT_SECONDS, check_seconds, profile_compute
 from node.recovery import RecoveryService
 from node.runner import StageRunner
 from node.transport import (
@@ -145,6 +146,7 @@ class Node:
         self._metrics: Any = None
         self._site_runner: web.AppRunner | None = None
         self._log_times: dict[str, float] = {}
+        self._profiling = False
 
     # ---- identity and status ------------------------------------------------------------
 
@@ -273,6 +275,7 @@ class Node:
         app.router.add_post(RPC_PATH, self._handle_rpc)
         app.router.add_get("/status", self._handle_status)
         app.router.add_post("/eval", self._handle_eval)
+        app.router.add_post("/profile", self._handle_profile)
         self._site_runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._site_runner.setup()
         host, port = parse_hostport(self.config.net.listen, "net.listen")
@@ -688,14 +691,28 @@ class Node:
     async def _handle_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
 
-    async def _handle_eval(self, request: web.Request) -> web.Response:
-        try:  # in a keyed swarm, a proof over an empty body (evaluating costs the swarm work)
+    def _operator_refusal(self, request: web.Request) -> web.Response | None:
+        """For the operator's endpoints that cost the node work (``/eval``, ``/profile``): in
+        a keyed swarm, the refusal of a request without a valid proof over its empty body."""
+        try:
             incoming = self._authenticate(request)
             if incoming is not None:
                 incoming.verify(frame_digest([]))
         except ProtocolError as e:
-            self._refuse(e.code, str(e), e.http_status, request.remote or "?")
-            return web.json_response({"error": f"{e.code}: {e}"}, status=e.http_status)
+            return self._json_refusal(e.code, str(e), e.http_status, request)
+        return None
+
+    def _json_refusal(
+        self, code: str, message: str, status: int, request: web.Request
+    ) -> web.Response:
+        """Count and log a refused operator request; answer it in JSON."""
+        self._refuse(code, message, status, request.remote or "?")
+        return web.json_response({"error": f"{code}: {message}"}, status=status)
+
+    async def _handle_eval(self, request: web.Request) -> web.Response:
+        refused = self._operator_refusal(request)
+        if refused is not None:
+            return refused
         if self.trainer is None or not self.ready:
             return web.json_response(
                 {"error": "only a ready head-stage node evaluates"}, status=409
@@ -704,6 +721,34 @@ class Node:
         return web.json_response(
             {"eval_loss": loss, "step": self.runner.step if self.runner else 0}
         )
+
+    async def _handle_profile(self, request: web.Request) -> web.Response:
+        """``POST /profile?seconds=S``: the compute thread's torch operators over the next
+        S seconds of training (``node.opprofile``); one profile at a time."""
+        refused = self._operator_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            seconds = check_seconds(float(request.query.get("seconds", DEFAULT_SECONDS)))
+        except ValueError as e:
+            return self._json_refusal("bad_request", f"profile: {e}", 400, request)
+        runner = self.runner
+        if runner is None or not self.ready:
+            return self._json_refusal("not_ready", "no stage to profile yet", 409, request)
+        if self._profiling:
+            return self._json_refusal(
+                "profile_running", "a profile is already running", 409, request
+            )
+        self._profiling = True
+        try:
+            summary = await profile_compute(runner, seconds)
+        except RuntimeError:  # the runner closed under the profile
+            message = f"the node left stage {runner.stage} during the profile"
+            return self._json_refusal("stage_changed", message, 409, request)
+        finally:
+            self._profiling = False
+        log.info("profiled the compute thread for %.1fs", seconds)
+        return web.json_response({"peer_id": self.peer_id, "stage": runner.stage, **summary})
 
     # ---- block-stage jobs ---------------------------------------------------------------
 

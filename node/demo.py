@@ -20,12 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from node.cli import fetch_status, parse_sets
-from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
+from node.cli import fetch_status, operator_auth, parse_sets, post_to_node
+from protocol.auth import SwarmAuth
 
 DEMO_SETTINGS = {
     "node.join_wait_s": "1.0",
@@ -124,13 +123,7 @@ def wait_ready(address: str, timeout_s: float, swarm: LocalSwarm) -> dict[str, A
 
 def request_eval(address: str, timeout_s: float = 120.0, auth: SwarmAuth | None = None) -> float:
     """Have a head node evaluate now (a keyed swarm's node wants a proof over the empty body)."""
-    headers: dict[str, str] = {}
-    if auth is not None:
-        sent = auth.sign_request(address, "POST", "/eval", frame_digest([]), time.time())
-        headers[AUTH_HEADER] = sent.header
-    req = urllib.request.Request(f"http://{address}/eval", method="POST", data=b"", headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return float(json.loads(resp.read())["eval_loss"])
+    return float(post_to_node(address, "/eval", auth, timeout_s)["eval_loss"])
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -142,7 +135,7 @@ def run_demo(args: argparse.Namespace) -> int:
     log_dir = Path(args.logs or tempfile.mkdtemp(prefix="murmuration-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     swarm = LocalSwarm(log_dir, settings, args.config)
-    auth = _demo_auth(args.config, settings)
+    auth = operator_auth(args.config, settings)
     say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
     t_start = time.monotonic()
     port = args.port
@@ -186,14 +179,6 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0
-
-
-def _demo_auth(config: str | None, settings: dict[str, str]) -> SwarmAuth | None:
-    """The demo's own side of the swarm, when its settings give the nodes a swarm key."""
-    from node.config import resolve_config
-    from node.identity import swarm_auth
-
-    return swarm_auth(resolve_config(config, os.environ, settings).net, Identity.generate())
 
 
 def _train(

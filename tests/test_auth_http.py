@@ -130,9 +130,17 @@ async def test_strangers_replays_forgeries_and_impersonators_are_refused(
     counters = keyed.status()["counters"]
     expected = Counter(f"rejected_{code}" for code in ["auth_replay", *(c[3] for c in cases)])
     assert {k: v for k, v in counters.items() if k.startswith("rejected_")} == expected
-    # /eval costs the swarm work: a keyed node wants a proof there too
-    async with session.post(f"http://{keyed.address}/eval") as r:
-        assert r.status == 401 and "auth_missing" in (await r.json())["error"]
+    # /eval and /profile cost the swarm work: a keyed node wants a proof there too
+    for path in ["/eval", "/profile"]:
+        async with session.post(f"http://{keyed.address}{path}") as r:
+            assert r.status == 401 and "auth_missing" in (await r.json())["error"], path
+    proof = SwarmAuth(KEY.encode(), ALICE).sign_request(
+        keyed.address, "POST", "/profile", frame_digest([]), time.time()
+    )
+    async with session.post(
+        f"http://{keyed.address}/profile", headers={AUTH_HEADER: proof.header}
+    ) as r:  # let in, and this node has no stage to profile
+        assert r.status == 409 and "not_ready" in (await r.json())["error"]
     # /status stays open (read-only operator information, documented in SECURITY.md)
     async with session.get(f"http://{keyed.address}/status") as r:
         assert r.status == 200 and KEY not in await r.text()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from node.cli import fetch_status
+from node.cli import NodeRefused, fetch_status
 from node.demo import LocalSwarm, request_eval, wait_ready
 from node.identity import IDENTITY_FILE
 from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
@@ -108,8 +108,9 @@ def test_a_keyed_swarm_trains_and_refuses_outsiders(swarms: Any, tmp_path: Path)
     for code in {c[-1] for c in cases} - {"ok"}:
         assert counters[f"rejected_{code}"] >= 1, (code, counters)
     assert head_id in {p["peer_id"] for p in fetch_status(block)["peers"]["0"]}  # not forgotten
-    with pytest.raises(urllib.error.HTTPError):  # evaluating wants a proof too
+    with pytest.raises(NodeRefused, match="auth_missing") as refused:  # evaluating too
         request_eval(head, timeout_s=10)
+    assert refused.value.status == 401
     assert request_eval(head, timeout_s=120, auth=member) > 0
 
     done = completed(head)

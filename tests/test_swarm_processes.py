@@ -13,13 +13,14 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from node.cli import fetch_status
+from node.cli import NodeRefused, fetch_status, post_to_node
 from node.data import shard_of
 from node.demo import LocalSwarm, request_eval, wait_ready
 from node.identity import IDENTITY_FILE
@@ -179,6 +180,42 @@ def test_status_cli_text_and_json(swarm: Any) -> None:
         timeout=30,
     )
     assert bad.returncode == 2 and "cannot reach a node" in bad.stderr
+
+
+def test_profile_cli_and_endpoint(swarm: Any) -> None:
+    s = swarm(**{"swarm.num_block_stages": "1"})
+    head, block = start(s, [0, 1])
+    wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 3, 90, "training")
+    out = subprocess.run(
+        [sys.executable, "-m", "node", "profile", "--seconds", "3", "--top", "40", block],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "block stage 1" in out and "backward" in out and "aten::mm" in out, out
+
+    def profile_head() -> dict[str, Any]:
+        return post_to_node(head, "/profile", query={"seconds": "3"}, timeout_s=60)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(profile_head)
+        time.sleep(1.0)
+        with pytest.raises(NodeRefused, match="profile_running"):  # one at a time
+            profile_head()
+        p = running.result()
+    assert p["stage"] == 0 and p["samples"] > 0 and p["thread_cpu_s"] > 0
+    assert p["phases_cpu_s"]["backward"] > 0
+    assert sum(p["phases_cpu_s"].values()) == pytest.approx(p["thread_cpu_s"])
+    assert {"aten::mm", "aten::embedding"} <= {op["op"] for op in p["ops"]}
+    for seconds in ["0", "nan", "301", "ten"]:
+        with pytest.raises(NodeRefused, match="bad_request") as refused:
+            post_to_node(block, "/profile", query={"seconds": seconds}, timeout_s=10)
+        assert refused.value.status == 400
+    assert counters(block)["rejected_bad_request"] == 4
+    assert counters(head)["rejected_profile_running"] == 1
+    done = counters(head)["microbatches_completed"]
+    wait_for(lambda: counters(head)["microbatches_completed"] >= done + 5, 60, "training on")
 
 
 def test_bad_input_is_refused_counted_and_training_goes_on(swarm: Any) -> None:
