@@ -90,7 +90,12 @@ def pipeline(args: argparse.Namespace) -> dict[str, Any]:
 
     threads = [1] if args.short else [1, 2]
     return measure_pipeline(
-        args.swarm_s, args.warmup_s, threads, profile=args.profile, short=args.short
+        args.swarm_s,
+        args.warmup_s,
+        threads,
+        profile=args.profile,
+        short=args.short,
+        torch_profile_s=2.0 if args.short else 20.0,
     )
 
 
@@ -172,7 +177,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     if "wire" in result:
         w = result["wire"]
         axes[0].bar(["raw TCP", "HTTP frame"], [w["raw_tcp_MBps"], w["http_frame_MBps"]])
@@ -193,6 +198,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[1].legend()
     if "pipeline" in result:
         _plot_cpu(axes[2], result["pipeline"])
+        if "torch_profile" in result["pipeline"]:
+            _plot_operators(axes[3], result["pipeline"]["torch_profile"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -219,6 +226,21 @@ def _plot_cpu(ax: Any, p: dict[str, Any]) -> None:
     ax.set_title(f"CPU per token: one process = {p['pipeline_cpu_efficiency']:.0%} of swarm")
     ax.set_ylabel("CPU ms per 1000 tokens")
     ax.set_ylim(0, 2.1 * bottom)  # room for the legend above the bars
+    ax.legend(fontsize=6, loc="upper left")
+
+
+def _plot_operators(ax: Any, t: dict[str, Any]) -> None:
+    """The compute threads' CPU by kind of operator, torch profiler on, both sides stacked."""
+    sides = {"one process": t["one_process"], "swarm (4 compute threads)": t["swarm"]}
+    kinds = list(t["swarm"]["kinds_ms"])
+    bottoms = dict.fromkeys(sides, 0.0)
+    for kind in kinds:
+        ms = [side["kinds_ms"].get(kind, 0.0) for side in sides.values()]
+        ax.bar(list(sides), ms, bottom=list(bottoms.values()), label=kind)
+        bottoms = {k: b + m for (k, b), m in zip(bottoms.items(), ms, strict=True)}
+    ax.set_title("compute threads by torch operator (profiler on)")
+    ax.set_ylabel("CPU ms per 1000 tokens")
+    ax.set_ylim(0, 1.9 * max(bottoms.values()))
     ax.legend(fontsize=6, loc="upper left")
 
 

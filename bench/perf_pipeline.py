@@ -11,13 +11,17 @@ initial weights) on microbatches of the same shape from the same shard, with the
 optimizer rule (Adam, samples accumulated to ``step_samples``, clipping, the same schedule),
 at a given number of torch threads.
 
-Where the swarm's CPU goes is read by sampling every node with py-spy (a dev tool, not a
-dependency: ``.venv/bin/pip install py-spy``) in a separate run, each sample sorted into a
-category by the functions on its stack (``classify``).
+Where the swarm's CPU goes is read two ways. py-spy (a dev tool, not a dependency:
+``.venv/bin/pip install py-spy``) samples every node's threads in a separate run, each sample
+sorted into a category by the Python functions on its stack (``classify``). torch's profiler
+records the compute threads' operators: every node's through ``POST /profile`` over one
+window of the measured swarm, and the one process's over a window of its own run; both are
+put per 1000 tokens by phase and by kind of operator (``op_kind``, ``torch_breakdown``).
 
 Usage (the benchmark driver is ``bench/perf.py``)::
 
     python -m bench.perf_pipeline single --threads 2 --seconds 20   # one JSON line
+    python -m bench.perf_pipeline single --threads 1 --torch-profile  # and its operators
     python -m bench.perf_pipeline swarm --seconds 40                # one JSON line
 """
 
@@ -33,16 +37,18 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from node.cli import fetch_status
+from node.cli import fetch_status, post_to_node
 from node.config import Config, TrainConfig, resolve_config
 from node.data import open_dataset
 from node.demo import LocalSwarm, wait_ready
 from node.model import build_model
+from node.opprofile import OpProfile
 from node.runner import lr_at
 
 NUM_BLOCK_STAGES = 3
@@ -85,8 +91,11 @@ def runner_step(
     opt.zero_grad(set_to_none=True)
 
 
-def train_single(threads: int, seconds: float, warmup_s: float) -> dict[str, Any]:
-    """Train the whole model in this process; tokens/s and CPU per token after ``warmup_s``."""
+def train_single(
+    threads: int, seconds: float, warmup_s: float, torch_profile: bool = False
+) -> dict[str, Any]:
+    """Train the whole model in this process; tokens/s and CPU per token after ``warmup_s``.
+    ``torch_profile``: record the measured window's operators (``node.opprofile``) too."""
     torch.set_num_threads(threads)
     cfg = _config()
     train, data = cfg.train, cfg.data
@@ -98,10 +107,13 @@ def train_single(threads: int, seconds: float, warmup_s: float) -> dict[str, Any
     step = acc_samples = acc_microbatches = tokens = 0
     start = time.monotonic()
     t0 = cpu0 = None
+    prof = OpProfile()
     while True:
         now = time.monotonic()
         if t0 is None and now - start >= warmup_s:
             t0, cpu0, tokens = now, time.process_time(), 0
+            if torch_profile:
+                prof.start()
         if t0 is not None and now - t0 >= seconds:
             break
         ids, labels = dataset.sample_batch(gen, data.batch_size, data.seq_len)
@@ -115,18 +127,25 @@ def train_single(threads: int, seconds: float, warmup_s: float) -> dict[str, Any
             acc_samples = acc_microbatches = 0
     assert t0 is not None and cpu0 is not None
     wall = time.monotonic() - t0
-    return {
+    cpu_s = time.process_time() - cpu0
+    out: dict[str, Any] = {
         "threads": threads,
         "tokens_per_s": tokens / wall,
-        "cpu_ms_per_1k_tokens": 1e6 * (time.process_time() - cpu0) / tokens,
+        "cpu_ms_per_1k_tokens": 1e6 * cpu_s / tokens,
         "seconds": wall,
     }
+    if torch_profile:
+        out["torch_profile"] = {"tokens": tokens, "nodes": {"one process": prof.stop()}}
+    return out
 
 
-def run_single(threads: int, seconds: float, warmup_s: float) -> dict[str, Any]:
+def run_single(
+    threads: int, seconds: float, warmup_s: float, torch_profile: bool = False
+) -> dict[str, Any]:
     """``train_single`` in a fresh process (its own threads, like a node)."""
     cmd = [sys.executable, "-m", "bench.perf_pipeline", "single"]
     cmd += ["--threads", str(threads), "--seconds", str(seconds), "--warmup-s", str(warmup_s)]
+    cmd += ["--torch-profile"] if torch_profile else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 300)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -159,8 +178,27 @@ def _wait_for_tokens(head: str, swarm: LocalSwarm, tokens: int, train_s: float) 
         time.sleep(0.2)
 
 
-def measure_swarm(seconds: float, warmup_s: float) -> dict[str, Any]:
-    """Start the swarm, wait ``warmup_s`` of training, then measure over ``seconds``."""
+def profile_nodes(addresses: list[str], seconds: float) -> dict[str, Any]:
+    """Every node's compute-thread operators over the same ``seconds`` (``POST /profile``),
+    with the tokens the head (the first address) completed meanwhile."""
+    head = addresses[0]
+    before = fetch_status(head)["tokens"]
+    with ThreadPoolExecutor(len(addresses)) as pool:
+        query = {"seconds": f"{seconds:g}"}
+        futures = [
+            pool.submit(post_to_node, a, "/profile", None, seconds + 120.0, query)
+            for a in addresses
+        ]
+        profiles = [f.result() for f in futures]
+    return {
+        "tokens": fetch_status(head)["tokens"] - before,
+        "nodes": {f"stage {p['stage']}": p for p in profiles},
+    }
+
+
+def measure_swarm(seconds: float, warmup_s: float, torch_profile_s: float = 0.0) -> dict[str, Any]:
+    """Start the swarm, wait ``warmup_s`` of training, then measure over ``seconds``; then,
+    with ``torch_profile_s``, profile every node's operators over that long."""
     log_dir = Path(tempfile.mkdtemp(prefix="murmuration-perf-"))
     swarm = LocalSwarm(log_dir, dict(SWARM_SETTINGS))
     try:
@@ -177,6 +215,11 @@ def measure_swarm(seconds: float, warmup_s: float) -> dict[str, Any]:
         _wait_for_tokens(head, swarm, st0["tokens"] + 1, 0.0)  # a window holds a microbatch
         st1, t1 = fetch_status(head), time.time()
         cpu1 = {n: _cpu_by_role(p) for n, p in pids.items()}
+        if torch_profile_s > 0:
+            _say(
+                f"pipeline: torch profiler on every node's compute thread, {torch_profile_s:.0f} s"
+            )
+            torch_profile = profile_nodes(swarm.addresses, torch_profile_s)
     finally:
         swarm.stop()
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -191,7 +234,7 @@ def measure_swarm(seconds: float, warmup_s: float) -> dict[str, Any]:
         for k, v in st1["counters"].items()
         if v != st0["counters"].get(k, 0)
     }
-    return {
+    out = {
         "tokens_per_s": tokens / (t1 - t0),
         "seconds": t1 - t0,
         "tokens": tokens,
@@ -201,6 +244,9 @@ def measure_swarm(seconds: float, warmup_s: float) -> dict[str, Any]:
         "cpu_s_by_node": {n: round(s, 2) for n, s in cpu.items()},
         "counters": counters,
     }
+    if torch_profile_s > 0:
+        out["torch_profile"] = torch_profile
+    return out
 
 
 # --------------------------------------------------------------------------- profile
@@ -310,21 +356,90 @@ def profile_swarm(seconds: float, warmup_s: float, rate_hz: int = 50) -> dict[st
     return result
 
 
+# --------------------------------------------------------------------------- torch profiler
+
+_MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"})
+_COPIES = frozenset(
+    {"aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"}
+)
+_LAYOUT = frozenset(
+    {
+        *("aten::view", "aten::_unsafe_view", "aten::reshape", "aten::transpose", "aten::t"),
+        *("aten::as_strided", "aten::slice", "aten::select", "aten::expand", "aten::permute"),
+        *("aten::unsqueeze", "aten::squeeze", "aten::chunk", "aten::split", "aten::narrow"),
+        *("aten::detach", "aten::alias", "aten::empty", "aten::empty_strided"),
+        *("aten::empty_like", "aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_"),
+        *("aten::resize_", "aten::lift_fresh", "aten::unbind", "aten::flatten"),
+    }
+)
+_BOOKKEEPING = ("autograd::", "torch::autograd::", "Optimizer.")
+TOP_OPS = 30
+
+
+def op_kind(name: str) -> str:
+    """The kind of one torch profiler operator, for the breakdown."""
+    if name in _MATMUL:
+        return "matmul"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if "log_softmax" in name or "nll_loss" in name:
+        return "loss (log-softmax, NLL)"
+    if name in _COPIES:
+        return "dtype conversions and copies"
+    if name in _LAYOUT:
+        return "views, allocations and fills"
+    if name.startswith(_BOOKKEEPING) or name.rstrip("0123456789").endswith("Backward"):
+        return "autograd and optimizer bookkeeping"
+    if name.startswith("aten::"):
+        return "elementwise, norms, activations"
+    return "other"
+
+
+def torch_breakdown(p: dict[str, Any]) -> dict[str, Any]:
+    """CPU ms per 1000 tokens by phase and by kind of operator (plus Python outside any
+    operator), summed over the profiled compute threads: ``profile_nodes``'s answer or a
+    single run's ``torch_profile``."""
+    per_1k = 1e6 / max(1, p["tokens"])
+    phases, kinds, ops = Counter[str](), Counter[str](), Counter[str]()
+    for node in p["nodes"].values():
+        phases.update(node["phases_cpu_s"])
+        for op in node["ops"]:
+            kinds[op_kind(op["op"])] += op["self_cpu_s"]
+            ops[op["op"]] += op["self_cpu_s"]
+        kinds["Python outside operators"] += node["phases_cpu_s"]["outside operators"]
+    return {
+        "tokens": p["tokens"],
+        "thread_cpu_ms": per_1k * sum(n["thread_cpu_s"] for n in p["nodes"].values()),
+        "runqueue_wait_ms": per_1k * sum(n["runqueue_wait_s"] for n in p["nodes"].values()),
+        "by_node_cpu_ms": {k: per_1k * n["thread_cpu_s"] for k, n in p["nodes"].items()},
+        "phases_ms": {k: per_1k * v for k, v in phases.items()},
+        "kinds_ms": {k: per_1k * v for k, v in kinds.most_common()},
+        "top_ops_ms": {k: per_1k * v for k, v in ops.most_common(TOP_OPS)},
+    }
+
+
 # --------------------------------------------------------------------------- the comparison
 
 
 def measure_pipeline(
-    seconds: float, warmup_s: float, single_threads: list[int], profile: bool, short: bool = False
+    seconds: float,
+    warmup_s: float,
+    single_threads: list[int],
+    profile: bool,
+    short: bool = False,
+    torch_profile_s: float = 0.0,
 ) -> dict[str, Any]:
     """Single-process runs before and after the swarm, then (optionally) a profiled swarm.
-    ``short``: one single-process run, after the swarm, of a second."""
+    ``short``: one single-process run, after the swarm, of a second. ``torch_profile_s``:
+    after the swarm's measured window, its operators over that long, and a one-thread
+    process's over as long (``torch_breakdown``)."""
     singles: dict[int, list[dict[str, Any]]] = {t: [] for t in single_threads}
     single_s, single_warmup_s = (1.0, 0.5) if short else (max(5.0, seconds / 3), 3.0)
     for t in [] if short else single_threads:
         _say(f"pipeline: one process, {t} threads")
         singles[t].append(run_single(t, single_s, single_warmup_s))
     _say(f"pipeline: swarm of {1 + NUM_BLOCK_STAGES} processes, {seconds:.0f} s window")
-    swarm = measure_swarm(seconds, warmup_s)
+    swarm = measure_swarm(seconds, warmup_s, torch_profile_s)
     for t in single_threads:
         _say(f"pipeline: one process, {t} threads (after the swarm)")
         singles[t].append(run_single(t, single_s, single_warmup_s))
@@ -349,6 +464,16 @@ def measure_pipeline(
             t: swarm["tokens_per_s"] / s["tokens_per_s"] for t, s in single.items()
         },
     }
+    if torch_profile_s > 0:
+        _say(f"pipeline: torch profiler on one process, 1 thread, {torch_profile_s:.0f} s")
+        one = run_single(1, torch_profile_s, single_warmup_s, torch_profile=True)
+        result["torch_profile"] = {
+            "seconds": torch_profile_s,
+            "swarm": torch_breakdown(swarm.pop("torch_profile")),
+            "one_process": torch_breakdown(one["torch_profile"]),
+            # what recording costs: the profiled run's tokens/s over the unprofiled runs'
+            "one_process_profiled_speed": one["tokens_per_s"] / single["1"]["tokens_per_s"],
+        }
     if profile:
         _say("pipeline: profiling the swarm with py-spy")
         result["profile"] = profile_swarm(seconds, warmup_s)
@@ -363,9 +488,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument(
+        "--torch-profile", action="store_true", help="single: record the window's operators"
+    )
     args = p.parse_args()
     if args.role == "single":
-        print(json.dumps(train_single(args.threads, args.seconds, args.warmup_s)))
+        result = train_single(args.threads, args.seconds, args.warmup_s, args.torch_profile)
+        print(json.dumps(result))
     else:
         print(json.dumps(measure_swarm(args.seconds, args.warmup_s)), flush=True)
 

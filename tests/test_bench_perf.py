@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.perf_pipeline import classify, parse_profile
+from bench.perf_pipeline import classify, op_kind, parse_profile, torch_breakdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +39,13 @@ def test_short_run_writes_every_figure(tmp_path: Path) -> None:
     assert set(swarm["cpu_ms_per_1k_tokens_by_thread"]) == {"event loop thread", "other threads"}
     for codec in ("fp32", "bf16", "int8"):
         assert result["codecs"][codec]["final_eval_loss"] > 0
+    ops = result["pipeline"]["torch_profile"]
+    assert set(ops["swarm"]["by_node_cpu_ms"]) == {f"stage {k}" for k in range(4)}
+    assert set(ops["one_process"]["by_node_cpu_ms"]) == {"one process"}
+    for side in (ops["swarm"], ops["one_process"]):
+        assert side["tokens"] > 0 and side["kinds_ms"]["matmul"] > 0
+        assert sum(side["phases_ms"].values()) == pytest.approx(side["thread_cpu_ms"])
+        assert sum(side["kinds_ms"].values()) == pytest.approx(side["thread_cpu_ms"], rel=0.02)
 
 
 NODE = 'process 1:"python -m bench.perf_pipeline swarm";process 2:"python -m node join --stage 1 --listen x"'
@@ -74,4 +81,63 @@ def test_profile_samples_are_sorted_by_thread_and_category() -> None:
     assert profile["share_by_thread"]["event loop thread"] == {"frame decode": 1.0}
     assert classify(stack(loop, "RequestHandler.start (aiohttp/web_protocol.py:1)")) == (
         "HTTP (aiohttp)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("aten::mm", "matmul"),
+        ("aten::linear", "matmul"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+        ("aten::_log_softmax_backward_data", "loss (log-softmax, NLL)"),
+        ("aten::_to_copy", "dtype conversions and copies"),
+        ("aten::transpose", "views, allocations and fills"),
+        ("autograd::engine::evaluate_function: MmBackward0", "autograd and optimizer bookkeeping"),
+        ("MmBackward0", "autograd and optimizer bookkeeping"),
+        ("ScaledDotProductFlashAttentionForCpuBackward0", "autograd and optimizer bookkeeping"),
+        ("Optimizer.step#Adam.step", "autograd and optimizer bookkeeping"),
+        ("aten::silu_backward", "elementwise, norms, activations"),
+        ("aten::topk", "elementwise, norms, activations"),  # not aten::to
+        ("my_annotation", "other"),
+    ],
+)
+def test_operators_are_sorted_by_kind(name: str, kind: str) -> None:
+    assert op_kind(name) == kind
+
+
+def node_profile(cpu: float, outside: float, ops: dict[str, float]) -> dict[str, object]:
+    phases = {"backward": 0.0, "optimizer": 0.0, "other operators": cpu - outside}
+    return {
+        "thread_cpu_s": cpu,
+        "runqueue_wait_s": 0.5,
+        "phases_cpu_s": {**phases, "outside operators": outside},
+        "ops": [{"op": k, "self_cpu_s": v} for k, v in ops.items()],
+    }
+
+
+def test_torch_breakdown_sums_the_threads_per_1000_tokens() -> None:
+    profile = {
+        "tokens": 2000,
+        "nodes": {
+            "stage 0": node_profile(0.1, 0.02, {"aten::mm": 0.05, "aten::add": 0.03}),
+            "stage 1": node_profile(0.3, 0.04, {"aten::mm": 0.2, "aten::copy_": 0.06}),
+        },
+    }
+    b = torch_breakdown(profile)
+    assert b["thread_cpu_ms"] == pytest.approx(200.0)  # 0.4 s over 2000 tokens
+    assert b["runqueue_wait_ms"] == pytest.approx(500.0)
+    assert b["by_node_cpu_ms"] == pytest.approx({"stage 0": 50.0, "stage 1": 150.0})
+    assert b["kinds_ms"] == pytest.approx(
+        {
+            "matmul": 125.0,
+            "elementwise, norms, activations": 15.0,
+            "dtype conversions and copies": 30.0,
+            "Python outside operators": 30.0,
+        }
+    )
+    assert list(b["kinds_ms"])[0] == "matmul"
+    assert b["phases_ms"]["other operators"] == pytest.approx(170.0)
+    assert b["top_ops_ms"] == pytest.approx(
+        {"aten::mm": 125.0, "aten::copy_": 30.0, "aten::add": 15.0}
     )
