@@ -7,7 +7,8 @@
    aiohttp echo of the same size (``bench/perf_wire.py``); target p50 within 1.5x;
 3. pipeline efficiency: tokens/s of a local swarm (head + 3 block stages) against one process
    training the same model on the same batches, and where the swarm's CPU goes
-   (``bench/perf_pipeline.py``, py-spy); target >= 80 %;
+   (``bench/perf_pipeline.py``: py-spy over every thread, torch's profiler over the
+   compute threads' operators); target >= 80 %;
 4. activation compression: bytes per microbatch and eval-loss cost of fp32, bf16 and int8 on
    the wire after a short fixed budget (``bench/perf_codec.py``);
 5. hivemind, where it can be installed (a separate venv, ``bench/perf_hivemind.py``): tensor
