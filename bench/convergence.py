@@ -24,7 +24,7 @@ import torch
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, request_eval, wait_ready
-from node.export import fetch_stage_state
+from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
 
 RESULTS = Path(__file__).parent / "results"

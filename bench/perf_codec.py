@@ -21,9 +21,9 @@ import torch
 
 from bench.perf_pipeline import runner_step
 from node.config import Config, resolve_config
-from node.data import open_dataset
-from node.model import BlockStage, HeadStage, build_stage
-from node.runner import lr_at
+from node.data.dataset import open_dataset
+from node.stage.model import BlockStage, HeadStage, build_stage
+from node.stage.runner import lr_at
 from protocol.frames import frame_nbytes
 from protocol.messages import Forward, Hop, encode_message
 from protocol.quant import CODECS, decode_tensor, encode_tensor

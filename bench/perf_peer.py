@@ -2,7 +2,7 @@
 
 Serves, on 127.0.0.1 and on the event loop the daemon uses (``node.cli.asyncio_run``):
 
-- ``POST /rpc``: the daemon's request path: ``node.transport.read_frame`` (bounded read,
+- ``POST /rpc``: the daemon's request path: ``node.net.transport.read_frame`` (bounded read,
   zero-copy frame decode), then for a ``Forward`` what the daemon's ``_activation`` does on
   arrival (``open_tensor`` and the finiteness check on the encoded tensor; the daemon
   decodes it to float32 on its compute thread, so this peer does not) unless the activation
@@ -34,7 +34,7 @@ from aiohttp import web
 
 from node.allocator import reuse_freed_memory
 from node.cli import asyncio_run
-from node.transport import RPC_PATH, frame_response, read_frame
+from node.net.transport import RPC_PATH, frame_response, read_frame
 from protocol.errors import ProtocolError
 from protocol.frames import Limits
 from protocol.messages import Ack, Error, Forward

@@ -6,7 +6,7 @@ tiny model, default settings except evaluation off (evaluations are not training
 the head reading shard 0. Its throughput is the head's completed tokens over a window after
 a warm-up; the CPU it used in that window is read from ``/proc`` for every node.
 
-The reference is one process training the same model (``node.model.build_model``, the same
+The reference is one process training the same model (``node.stage.model.build_model``, the same
 initial weights) on microbatches of the same shape from the same shard, with the runner's
 optimizer rule (Adam, samples accumulated to ``step_samples``, clipping, the same schedule),
 at a given number of torch threads.
@@ -45,11 +45,11 @@ import torch
 
 from node.cli import fetch_status, post_to_node
 from node.config import Config, TrainConfig, resolve_config
-from node.data import open_dataset
+from node.data.dataset import open_dataset
 from node.demo import LocalSwarm, wait_ready
-from node.model import build_model
-from node.opprofile import OpProfile
-from node.runner import lr_at
+from node.stage.model import build_model
+from node.stage.opprofile import OpProfile
+from node.stage.runner import lr_at
 
 NUM_BLOCK_STAGES = 3
 SWARM_SETTINGS = {
@@ -95,7 +95,7 @@ def train_single(
     threads: int, seconds: float, warmup_s: float, torch_profile: bool = False
 ) -> dict[str, Any]:
     """Train the whole model in this process; tokens/s and CPU per token after ``warmup_s``.
-    ``torch_profile``: record the measured window's operators (``node.opprofile``) too."""
+    ``torch_profile``: record the measured window's operators (``node.stage.opprofile``) too."""
     torch.set_num_threads(threads)
     cfg = _config()
     train, data = cfg.train, cfg.data

@@ -38,7 +38,7 @@ import aiohttp
 import torch
 
 from node.cli import asyncio_run
-from node.transport import HttpTransport
+from node.net.transport import HttpTransport
 from protocol.frames import Limits, frame_nbytes
 from protocol.messages import Forward, Hop, Message, encode_message, prepare
 from protocol.quant import encode_tensor

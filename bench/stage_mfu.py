@@ -1,6 +1,6 @@
 """One block stage's training throughput and model FLOP utilisation (issue 8), CPU or CUDA.
 
-Runs the daemon's own compute path, ``node.runner.StageRunner``: ``block_forward`` then
+Runs the daemon's own compute path, ``node.stage.runner.StageRunner``: ``block_forward`` then
 ``block_backward`` per microbatch, the optimizer stepping every ``train.step_samples``
 samples, on random ``[batch, seq, d_model]`` activations handed over as the daemon hands
 them (float32 CPU tensors decoded from the wire, copied to the device inside the stage).
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from node.config import resolve_config
-from node.model import ModelConfig, stage_blocks
-from node.runner import StageRunner
+from node.stage.model import ModelConfig, stage_blocks
+from node.stage.runner import StageRunner
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stage_mfu.json"
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from node.config import resolve_config
 from node.demo import free_port
-from node.model import stage_blocks
+from node.stage.model import stage_blocks
 
 RESULTS = Path(__file__).parent / "results"
 

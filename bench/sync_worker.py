@@ -1,7 +1,7 @@
 """One replica of the synchronisation benchmark, as its own process.
 
 It serves the daemon's ``POST /rpc`` frames with the daemon's HTTP transport, wrapped in the
-same latency and bandwidth emulation the daemon uses (``node.netem``), and runs the same
+same latency and bandwidth emulation the daemon uses (``node.net.netem``), and runs the same
 services the daemon runs for a stage: ``swarm.gossip`` (NoLoCo exchange) and
 ``swarm.allreduce`` (ring). Every replica starts each repetition at the same wall-clock
 instant, so what is measured is the synchronisation itself, not replicas waiting for each
@@ -19,8 +19,8 @@ import time
 import torch
 from aiohttp import web
 
-from node.netem import ShapedTransport
-from node.transport import RPC_PATH, HttpTransport, frame_response, read_frame
+from node.net.netem import ShapedTransport
+from node.net.transport import RPC_PATH, HttpTransport, frame_response, read_frame
 from protocol.errors import ProtocolError
 from protocol.frames import Limits
 from protocol.messages import Ack, Error, GossipRequest, Hop, PeerRecord, RingChunk

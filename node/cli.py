@@ -229,7 +229,7 @@ def join_config(args: argparse.Namespace) -> Config:
 def with_tokenizer_vocab(config: Config) -> Config:
     """``config`` with ``model.vocab_size`` raised to the size of ``data.tokenizer``'s
     vocabulary (every node resolves it the same way, so fingerprints agree)."""
-    from node.data import model_vocab_size
+    from node.data.dataset import model_vocab_size
 
     vocab_size = model_vocab_size(config.data, config.model.vocab_size)
     if vocab_size == config.model.vocab_size:
@@ -244,7 +244,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         return 0
     config = join_config(args)
     if config.node.init_dir:
-        from node.export import check_init_dir
+        from node.stage.export import check_init_dir
 
         check_init_dir(config.node.init_dir, config.model)  # a clear error before joining
     from node.allocator import reuse_freed_memory
@@ -462,7 +462,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from node.export import export_model
+    from node.stage.export import export_model
 
     status = fetch_status(args.address)
     overrides: dict[str, Any] = parse_sets(args.set)
@@ -483,7 +483,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from node.export import generate, load_export, load_export_tokenizer
+    from node.stage.export import generate, load_export, load_export_tokenizer
 
     model, info = load_export(args.model)
     tokenizer = load_export_tokenizer(args.model, info)

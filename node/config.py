@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from node.data import DataConfig
-from node.model import ModelConfig, preset
+from node.data.dataset import DataConfig
+from node.stage.model import ModelConfig, preset
 from swarm.membership import MembershipConfig
 
 ENV_PREFIX = "MURMUR_"

@@ -5,8 +5,8 @@ serve), the aiohttp handlers, the compute queue (backward before forward, bounde
 each finished microbatch to its next hop with retries on other replicas, and an orderly
 shutdown (tell peers, refuse new work, finish what is queued, exit within ``drain_s``).
 
-One process, one event loop, one compute thread (``node.runner``). The head stage's own
-work, issuing microbatches and evaluating, lives in ``node.trainer``.
+One process, one event loop, one compute thread (``node.stage.runner``). The head stage's own
+work, issuing microbatches and evaluating, lives in ``node.roles.head``.
 """
 
 from __future__ import annotations
@@ -23,22 +23,22 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from node.balance import Balancer
 from node.config import Config, describe, parse_hostport
-from node.guard import RequestGuard
 from node.identity import swarm_auth
-from node.model import model_fingerprint
-from node.netem import ShapedTransport
-from node.opprofile import DEFAULT_SECONDS, check_seconds, profile_compute
-from node.recovery import RecoveryService
-from node.runner import StageRunner
-from node.transport import (
+from node.net.netem import ShapedTransport
+from node.net.transport import (
     RPC_PATH,
     HttpTransport,
     frame_response,
     read_frame,
     sealed_response,
 )
+from node.services.balance import Balancer
+from node.services.guard import RequestGuard
+from node.services.recovery import RecoveryService
+from node.stage.model import model_fingerprint
+from node.stage.opprofile import DEFAULT_SECONDS, check_seconds, profile_compute
+from node.stage.runner import StageRunner
 from protocol.auth import AUTH_HEADER, Identity, Incoming, frame_digest
 from protocol.errors import ProtocolError
 from protocol.frames import Limits
@@ -368,8 +368,8 @@ class Node:
 
     async def _take_stage(self, stage: int) -> None:
         """Build ``stage``'s runner, get its weights (copy, rebuild or seed), start serving it."""
-        from node.sync import StageSync
-        from node.trainer import HeadTrainer
+        from node.roles.head import HeadTrainer
+        from node.services.sync import StageSync
 
         known_rate = 0.0  # a mover keeps its measured speed, scaled if stages differ in cost
         if self.runner is not None and self.balancer.estimate(self.stage) > 0:
@@ -436,7 +436,7 @@ class Node:
             )
             return True
         if self.config.node.init_dir:  # a new swarm from an export: load this stage's slice
-            from node.export import init_stage
+            from node.stage.export import init_stage
 
             await self.runner.run(init_stage, self.runner, self.config.node.init_dir)
             log.info(
@@ -724,7 +724,7 @@ class Node:
 
     async def _handle_profile(self, request: web.Request) -> web.Response:
         """``POST /profile?seconds=S``: the compute thread's torch operators over the next
-        S seconds of training (``node.opprofile``); one profile at a time."""
+        S seconds of training (``node.stage.opprofile``); one profile at a time."""
         refused = self._operator_refusal(request)
         if refused is not None:
             return refused

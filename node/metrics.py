@@ -39,7 +39,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from node.transport import TrafficStats, server_stats
+from node.net.transport import TrafficStats, server_stats
 
 log = logging.getLogger(__name__)
 

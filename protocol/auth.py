@@ -20,7 +20,7 @@ Owns peer identity and the proof that travels with every exchange of a keyed swa
   not sealed: all they can do is fail a request, which anyone on the path can do anyway.
 
 Pure: the caller passes the wall-clock ``now`` and does the file and socket I/O. Does not
-own key files (``node.identity``), HTTP (``node.transport``) or what follows a refusal.
+own key files (``node.identity``), HTTP (``node.net.transport``) or what follows a refusal.
 """
 
 from __future__ import annotations

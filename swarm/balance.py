@@ -20,7 +20,7 @@ adds a cool-down after each move, so a peer does not flip back and forth.
 
 A replica's rate is taken to be the same on every block stage (block stages hold equal
 numbers of identical blocks). Pure functions over plain records; the daemon's
-``node.balance`` measures, publishes and moves.
+``node.services.balance`` measures, publishes and moves.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ stage is rebuilt by copying its swap partner. CheckFree+ needs N >= 4 so the swa
 overlap.
 
 Pure functions: stage tables in, plans out. Fetching weights and applying them is the
-daemon's job (``node.recovery``).
+daemon's job (``node.services.recovery``).
 """
 
 from __future__ import annotations

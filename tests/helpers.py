@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from node.demo import LocalSwarm
-from node.transport import RPC_PATH
+from node.net.transport import RPC_PATH
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:

@@ -13,8 +13,8 @@ import pytest
 
 from node.config import resolve_config
 from node.daemon import Node
-from node.export import fetch_stage_state
-from node.transport import LARGE_DIGEST_BYTES, RPC_PATH, HttpTransport, digest_of
+from node.net.transport import LARGE_DIGEST_BYTES, RPC_PATH, HttpTransport, digest_of
+from node.stage.export import fetch_stage_state
 from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 from protocol.frames import Limits, join_frame
 from protocol.messages import (

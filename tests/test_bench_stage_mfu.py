@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.stage_mfu import flops_per_token, main, peak_tflops
-from node.model import preset
+from node.stage.model import preset
 
 
 def test_flops_per_token_by_hand() -> None:

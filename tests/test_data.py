@@ -1,4 +1,4 @@
-"""Tests for node/data.py: tokenizer, embedded corpus, loading, splits and batches."""
+"""Tests for node/data/: tokenizer, embedded corpus, loading, splits and batches."""
 
 from __future__ import annotations
 
@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from node import data
-from node.data import (
-    ByteTokenizer,
-    DataConfig,
-    Document,
-    TextDataset,
-    doc_bucket,
-    embedded_corpus,
-    load_documents,
-    split_documents,
-)
+from node.data import stdlib_corpus
+from node.data.dataset import DataConfig, TextDataset, doc_bucket, split_documents
+from node.data.documents import Document, load_documents
+from node.data.stdlib_corpus import embedded_corpus
+from node.data.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,7 @@ def test_embedded_corpus_deterministic(corpus: list[Document], tmp_path: Path) -
 
 def test_embedded_corpus_unwritable_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = [Document("stdlib:x.py:<module>", "y" * 100)]
-    monkeypatch.setattr(data, "_build_stdlib_corpus", lambda: list(fake))
+    monkeypatch.setattr(stdlib_corpus, "_build_stdlib_corpus", lambda: list(fake))
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     assert embedded_corpus(blocker / "cache") == fake  # built in memory, no error

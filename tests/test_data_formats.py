@@ -16,20 +16,17 @@ import torch
 
 from node.cli import with_tokenizer_vocab
 from node.config import resolve_config
-from node.data import (
-    ByteTokenizer,
+from node.data.dataset import (
     DataConfig,
-    Document,
-    HFTokenizer,
     TextDataset,
-    load_documents,
-    load_tokenizer,
     model_vocab_size,
     open_dataset,
     pack,
     shard_of,
     split_documents,
 )
+from node.data.documents import Document, load_documents
+from node.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never reach the Hub from a test
 os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from node import export
 from node.cli import main
 from node.config import Config, resolve_config
-from node.export import (
+from node.stage import export
+from node.stage.export import (
     check_init_dir,
     eval_loss,
     export_model,
@@ -32,7 +32,7 @@ from node.export import (
     read_info,
     stage_slice,
 )
-from node.model import BlockStage, HeadStage, build_stage, compose_stages, model_fingerprint
+from node.stage.model import BlockStage, HeadStage, build_stage, compose_stages, model_fingerprint
 from protocol.messages import StageState
 from tests.helpers import wait_for
 
@@ -147,7 +147,7 @@ async def test_init_slices_for_any_split(tmp_path: Path, monkeypatch: pytest.Mon
     second = stage_slice(init, config.model, 2, 2)
     assert torch.equal(second["param.blocks.0.attn.wq.weight"], full["blocks.3.attn.wq.weight"])
     # On a real runner: the weights of the export, step 0, a fresh Adam.
-    from node.runner import StageRunner
+    from node.stage.runner import StageRunner
 
     runner = StageRunner(_config(**{"swarm.num_block_stages": 2}), 2)
     await runner.start()
@@ -230,7 +230,7 @@ def _bf16_wire_loss(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]
 @pytest.mark.timeout(420)
 def test_swarm_export_generate_and_init(tmp_path: Path) -> None:
     from node.cli import fetch_status
-    from node.data import DataConfig, open_dataset
+    from node.data.dataset import DataConfig, open_dataset
     from node.demo import LocalSwarm, request_eval, wait_ready
 
     first = LocalSwarm(tmp_path / "first", SWARM)

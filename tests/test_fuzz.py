@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from node.config import resolve_config
 from node.daemon import Node
-from node.model import model_fingerprint
+from node.stage.model import model_fingerprint
 from protocol.errors import ProtocolError
 from protocol.frames import DTYPES, MAGIC, PROTOCOL_VERSION, Limits, decode_frame, join_frame
 from protocol.messages import (

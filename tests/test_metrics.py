@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.metrics import NodeCollector, start_metrics_server
-from node.transport import (
+from node.net.transport import (
     Histogram,
     HttpTransport,
     TrafficStats,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from node.model import (
+from node.stage.model import (
     PRESETS,
     Block,
     BlockStage,

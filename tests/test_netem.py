@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from node.netem import ShapedTransport, message_nbytes
+from node.net.netem import ShapedTransport, message_nbytes
 from protocol.messages import Ack, Leave, Message, RingChunk
 from swarm.seams import TransportError
 

@@ -1,4 +1,4 @@
-"""The compute thread's operator profile (``node.opprofile``): the summary's arithmetic on
+"""The compute thread's operator profile (``node.stage.opprofile``): the summary's arithmetic on
 hand-made rows, and real torch work on a worker thread, as the daemon's compute thread does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from node.opprofile import OpProfile, ProfileError, check_seconds, summarise, thread_sched
+from node.stage.opprofile import OpProfile, ProfileError, check_seconds, summarise, thread_sched
 
 
 def test_summary_splits_cpu_by_phase_and_scales_out_the_wait_for_a_core() -> None:

@@ -13,8 +13,8 @@ parts run in lockstep in this process, with every random choice seeded:
 - every ``sync.outer_steps`` steps the block replicas pair at random (a seeded draw over
   those not banned by each other, NoLoCo's one random partner; the odd one out takes a
   solo outer step, as does the lone head), and each side puts its partner's offer through
-  ``node.sync.weight_screen``, the daemon's screen; a refusal bans the partner for good
-  and the replica takes a solo step, as ``node.sync.SyncService`` does.
+  ``node.services.sync.weight_screen``, the daemon's screen; a refusal bans the partner for good
+  and the replica takes a solo step, as ``node.services.sync.SyncService`` does.
 
 Two runs with the same seeds are bit-identical (tested), so a poisoned run against a clean
 one measures the poison's effect and nothing else. The poisoner is the last block replica,
@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from node.config import Config, resolve_config
-from node.data import open_dataset
-from node.runner import StageRunner
-from node.sync import weight_screen
+from node.data.dataset import open_dataset
+from node.services.sync import weight_screen
+from node.stage.runner import StageRunner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

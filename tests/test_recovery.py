@@ -120,7 +120,7 @@ def test_head_nodes_are_never_donors() -> None:
 
 
 def test_checkpoint_round_trip_and_wrong_file(tmp_path: "Path") -> None:  # noqa: F821
-    from node.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+    from node.stage.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 
     tensors = {"param.w": torch.arange(6.0).reshape(2, 3), "adam_m.w": torch.ones(2, 3)}
     assert load_checkpoint(tmp_path, 2) is None

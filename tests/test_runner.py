@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from node.config import TrainConfig, resolve_config
-from node.model import build_stage
-from node.runner import StageRunner, lr_at
+from node.stage.model import build_stage
+from node.stage.runner import StageRunner, lr_at
 
 
 def test_lr_schedule() -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from node.cli import NodeRefused, fetch_status, post_to_node
-from node.data import shard_of
+from node.data.dataset import shard_of
 from node.demo import LocalSwarm, request_eval, wait_ready
 from node.identity import IDENTITY_FILE
 from protocol.auth import Identity

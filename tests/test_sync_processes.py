@@ -11,7 +11,7 @@ import torch
 
 from node.cli import fetch_status
 from node.demo import LocalSwarm, wait_ready
-from node.export import fetch_stage_state
+from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
 from tests.helpers import wait_for
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from node.transport import ACK_FRAME, HttpTransport, _read_bounded
+from node.net.transport import ACK_FRAME, HttpTransport, _read_bounded
 from protocol.errors import FrameTooLarge
 from protocol.frames import Limits
 from protocol.messages import Ack

@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from node.balance import compute_delay
 from node.config import Config, TrainConfig
-from node.model import BlockStage, HeadStage, build_stage
+from node.services.balance import compute_delay
+from node.stage.model import BlockStage, HeadStage, build_stage
 from protocol.quant import decode_tensor, encode_tensor
 from swarm.outer import (
     DiLoCoConfig,

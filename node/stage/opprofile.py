@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from torch.profiler import ProfilerActivity, profile
 
 if TYPE_CHECKING:
-    from node.runner import StageRunner
+    from node.stage.runner import StageRunner
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIX = "Optimizer."

@@ -16,7 +16,7 @@ into a ``StageRunner`` on its compute thread, for ``node join --init DIR``). The
 is cut by global block index, so a model exported from ``N`` block stages can start a swarm
 with another ``N`` as long as the ``ModelConfig`` is the same.
 
-Does not own the model's maths (``node.model``), the data (``node.data``) or the daemon.
+Does not own the model's maths (``node.stage.model``), the data (``node.data``) or the daemon.
 Exports are read with ``safetensors`` (no pickle, no ``torch.load``).
 """
 
@@ -37,8 +37,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from node.data import ByteTokenizer, HFTokenizer, load_tokenizer
-from node.model import (
+from node.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from node.stage.model import (
     Block,
     FullModel,
     HeadStage,
@@ -58,7 +58,7 @@ from protocol.messages import (
 
 if TYPE_CHECKING:
     from node.config import Config
-    from node.runner import StageRunner
+    from node.stage.runner import StageRunner
 
 EXPORT_FORMAT = "murmuration-export"
 EXPORT_VERSION = 1

@@ -13,7 +13,7 @@ A head-stage node is where every microbatch starts and ends (SWARM's "trainer", 
   the embedding's backward when it returns;
 - evaluation on the fixed held-out split, through the same pipeline without gradients.
 
-Does not own routing or the network (``node.daemon``) or torch state (``node.runner``).
+Does not own routing or the network (``node.daemon``) or torch state (``node.stage.runner``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.data import TextDataset, open_dataset, shard_of
+from node.data.dataset import TextDataset, open_dataset, shard_of
 from protocol.messages import Backward, Forward, Hop, prepare
 from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard

@@ -8,7 +8,7 @@ loop only waits on the network. Every round ends in a defined way: NoLoCo paired
 DiLoCo and data parallel all-reduced or, when the ring fails, solo (each replica applies
 its own pseudo-gradient or gradient). A NoLoCo partner's offer passes ``swarm.screen``
 first: one that is malformed, not finite or too far from this replica is refused (solo
-step) and the partner banned (``node.guard``); banned peers are never chosen as partners.
+step) and the partner banned (``node.services.guard``); banned peers are never chosen as partners.
 Also keeps the statistics ``node status`` and the metrics show.
 """
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.config import SyncConfig
-from node.runner import Offer
+from node.stage.runner import Offer
 from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.config import Config
-from node.model import build_stage
+from node.stage.model import build_stage
 from swarm.assignment import choose_stage
 from swarm.balance import Move, Replica, join_stage, plan_move
 

@@ -3,9 +3,9 @@
 Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recovery``):
 
 - **Watch.** Every second the node looks at its peer table; a stage with no ready replica
-  is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.trainer``
+  is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.roles.head``
   waits for a complete pipeline) rather than failing them.
-- **Refill.** A joining ``--stage auto`` node takes an empty stage first (``node.balance``).
+- **Refill.** A joining ``--stage auto`` node takes an empty stage first (``node.services.balance``).
   If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
   stage with the most replicas (never its last) moves there; every node computes the same
   answer from its table, so one node moves.
@@ -24,7 +24,7 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
 Every source's weights (a replica copied at join, the neighbours a rebuild averages, a head
 backup) pass ``swarm.screen`` first: non-finite ones, or ones further from this replica's
 current weights than ``recovery.screen_multiple`` times their RMS, are refused, the source
-banned (``node.guard``) and the next one tried.
+banned (``node.services.guard``) and the next one tried.
 
 Keeps the counts ``node status`` and the metrics show: recoveries by kind, seconds from the
 stage being seen empty to the node serving it, and the source stages used.
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.checkpoint import load_checkpoint, save_checkpoint
+from node.stage.checkpoint import load_checkpoint, save_checkpoint
 from protocol.messages import FetchState, HeadBackup, PeerRecord, Rollback, StageState, expect
 from swarm.recovery import RecoveryPlan, choose_mover, plan_recovery, random_seed, weighted_average
 from swarm.screen import ScreenConfig, WeightScreen

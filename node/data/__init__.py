@@ -1,0 +1,1 @@
+"""The head stage's text: tokenizers, corpora, splits and batches."""
