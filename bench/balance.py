@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.cli import fetch_status
+from node.client import fetch_status
 from node.config import resolve_config
 from node.demo import LocalSwarm, wait_ready
-from node.services.balance import measure_block_rate
+from node.stage.speed import measure_block_rate
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ["fixed", "fewest_replicas", "throughput"]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from node.cli import fetch_status
-from node.demo import LocalSwarm, request_eval, wait_ready
+from node.client import fetch_status, request_eval
+from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from node.cli import fetch_status, post_to_node
+from node.client import fetch_status, post_to_node
 from node.config import Config, TrainConfig, resolve_config
 from node.data.dataset import open_dataset
 from node.demo import LocalSwarm, wait_ready

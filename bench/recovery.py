@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from node.cli import fetch_status
+from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 
 RESULTS = Path(__file__).parent / "results"

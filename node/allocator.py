@@ -9,7 +9,8 @@ threshold and the trim threshold makes glibc keep freed memory and hand it out a
 
 The price is that the process's resident memory stays at its peak instead of shrinking
 after a burst; for a daemon whose working set is steady that is the right trade. Set
-``MURMUR_MALLOC_REUSE=0`` to keep glibc's defaults. Other C libraries are left alone.
+``node.malloc_reuse = false`` (or ``MURMUR_MALLOC_REUSE=0``) to keep glibc's defaults.
+Other C libraries are left alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,10 @@ THRESHOLD_BYTES = 1 << 30
 """Allocations up to this size come from the heap and are reused (``net.max_frame_bytes``)."""
 
 
-def reuse_freed_memory() -> bool:
-    """Tell glibc to keep and reuse freed memory; True if it took the settings."""
-    if os.environ.get("MURMUR_MALLOC_REUSE", "1") == "0":
+def reuse_freed_memory(enabled: bool = True) -> bool:
+    """Tell glibc to keep and reuse freed memory (``enabled``: ``node.malloc_reuse``); True
+    if it took the settings."""
+    if not enabled:
         return False
     name = ctypes.util.find_library("c")
     try:

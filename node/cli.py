@@ -15,18 +15,34 @@ import json
 import os
 import signal
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from node.config import Config, field_docs, resolve_config
-
-if TYPE_CHECKING:
-    from protocol.auth import SwarmAuth
+from node.allocator import reuse_freed_memory
+from node.client import fetch_status, operator_auth, post_to_node
+from node.config import (
+    Config,
+    RecoveryMethod,
+    SyncMethod,
+    choices,
+    field_docs,
+    parse_sets,
+    resolve_config,
+)
+from node.daemon import Node
+from node.data.dataset import model_vocab_size
+from node.demo import run_demo
+from node.display import format_profile, format_status
+from node.identity import load_identity
+from node.logs import set_context, setup_logging
+from node.stage.export import (
+    check_init_dir,
+    export_model,
+    generate,
+    load_export,
+    load_export_tokenizer,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,12 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--config", metavar="FILE.toml", help="configuration file")
     j.add_argument(
         "--sync",
-        choices=["noloco", "diloco", "allreduce", "none"],
+        choices=choices(SyncMethod),
         help="how replicas of a stage stay together (default noloco)",
     )
     j.add_argument(
         "--recovery",
-        choices=["checkfree", "checkfree+", "checkpoint", "random"],
+        choices=choices(RecoveryMethod),
         help="how a stage whose replicas are all gone is rebuilt (default checkfree)",
     )
     j.add_argument("--device", help="torch device for this stage (cpu, cuda, cuda:1)")
@@ -192,16 +208,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_sets(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or "." not in key:
-            raise ValueError(f"--set expects SECTION.FIELD=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def join_config(args: argparse.Namespace) -> Config:
     overrides: dict[str, Any] = parse_sets(args.set)
     flags = {
@@ -229,8 +235,6 @@ def join_config(args: argparse.Namespace) -> Config:
 def with_tokenizer_vocab(config: Config) -> Config:
     """``config`` with ``model.vocab_size`` raised to the size of ``data.tokenizer``'s
     vocabulary (every node resolves it the same way, so fingerprints agree)."""
-    from node.data.dataset import model_vocab_size
-
     vocab_size = model_vocab_size(config.data, config.model.vocab_size)
     if vocab_size == config.model.vocab_size:
         return config
@@ -244,26 +248,18 @@ def _cmd_join(args: argparse.Namespace) -> int:
         return 0
     config = join_config(args)
     if config.node.init_dir:
-        from node.stage.export import check_init_dir
-
         check_init_dir(config.node.init_dir, config.model)  # a clear error before joining
-    from node.allocator import reuse_freed_memory
-    from node.logs import setup_logging
-
     setup_logging(config.node.log_level)
-    reuse_freed_memory()
+    reuse_freed_memory(config.node.malloc_reuse)
     asyncio_run(_serve(config))
     return 0
 
 
 async def _serve(config: Config) -> None:
-    from node.daemon import Node
-    from node.identity import load_identity
-    from node.logs import set_context
-
     node = Node(config, identity=load_identity(config.node.state_dir))
+    state = node.state
     set_context(
-        lambda: f"{node.peer_id[:8]} s{node.stage} step {node.runner.step if node.runner else 0}"
+        lambda: f"{node.peer_id[:8]} s{state.stage} step {state.runner.step if state.runner else 0}"
     )
     loop = asyncio.get_running_loop()
     signals = 0
@@ -294,68 +290,6 @@ def asyncio_run(coro: Any) -> Any:
         return runner.run(coro)
 
 
-def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    url = address if address.startswith("http") else f"http://{address}"
-    try:
-        with urllib.request.urlopen(f"{url}/status", timeout=timeout_s) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
-            return data
-    except (urllib.error.URLError, OSError) as e:
-        raise ValueError(f"cannot reach a node at {address}: {e}") from None
-
-
-class NodeRefused(ValueError):
-    """A node answered an operator request with an error: its HTTP status and message."""
-
-    def __init__(self, address: str, status: int, message: str) -> None:
-        super().__init__(f"{address} refused the request ({status}): {message}")
-        self.status = status
-
-
-def post_to_node(
-    address: str,
-    path: str,
-    auth: SwarmAuth | None = None,
-    timeout_s: float = 120.0,
-    query: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """POST an empty body to one of a node's operator endpoints (``/eval``, ``/profile``)
-    and return its JSON answer; a keyed swarm's node wants ``auth``'s proof over the body.
-    Raises NodeRefused with the node's own error, ValueError when it cannot be reached."""
-    headers: dict[str, str] = {}
-    if auth is not None:
-        from protocol.auth import AUTH_HEADER, frame_digest
-
-        sent = auth.sign_request(address, "POST", path, frame_digest([]), time.time())
-        headers[AUTH_HEADER] = sent.header
-    url = f"http://{address}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
-    req = urllib.request.Request(url, method="POST", data=b"", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            answer: dict[str, Any] = json.loads(resp.read())
-            return answer
-    except urllib.error.HTTPError as e:
-        try:
-            message = str(json.loads(e.read())["error"])
-        except (ValueError, KeyError, TypeError):
-            message = str(e.reason)
-        raise NodeRefused(address, e.code, message) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise ValueError(f"cannot reach a node at {address}: {e}") from None
-
-
-def operator_auth(
-    config_path: str | None, settings: dict[str, str] | None = None
-) -> SwarmAuth | None:
-    """The operator's side of a keyed swarm (a fresh identity) from the config, environment
-    and ``settings``, or None for an open swarm."""
-    from node.identity import swarm_auth
-    from protocol.auth import Identity
-
-    net = resolve_config(config_path, os.environ, settings or {}).net
-    return swarm_auth(net, Identity.generate())
-
-
 def _cmd_profile(args: argparse.Namespace) -> int:
     print(f"profiling {args.address} for {args.seconds:g}s ...", file=sys.stderr, flush=True)
     answer = post_to_node(
@@ -372,25 +306,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_profile(p: dict[str, Any], top: int) -> str:
-    """A profile's summary: the compute thread's CPU by phase, then the costliest operators."""
-    cpu = p["thread_cpu_s"]
-    role = "head" if p["stage"] == 0 else f"block stage {p['stage']}"
-    lines = [
-        f"node {p['peer_id']}, {role}: {p['wall_s']:.1f}s profiled, {p['samples']} samples, "
-        f"compute thread {cpu:.2f}s CPU ({p['runqueue_wait_s']:.2f}s more waiting for a core)",
-    ]
-    for phase, s in p["phases_cpu_s"].items():
-        lines.append(f"  {phase:<18} {s:8.3f}s  {100 * s / cpu if cpu else 0:5.1f} %")
-    lines.append(f"  {'operator':<52} {'calls':>8} {'self CPU s':>11} {'share':>7}")
-    for op in p["ops"][:top]:
-        share = 100 * op["self_cpu_s"] / cpu if cpu else 0.0
-        lines.append(
-            f"  {op['op'][:52]:<52} {op['calls']:>8} {op['self_cpu_s']:>11.3f} {share:>6.1f}%"
-        )
-    return "\n".join(lines)
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
     st = fetch_status(args.address)
     if args.json:
@@ -400,70 +315,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_status(st: dict[str, Any]) -> str:
-    role = "head" if st["stage"] == 0 else f"block stage {st['stage']}"
-    lines = [
-        f"node {st['peer_id']} at {st['address']}  swarm {st['swarm']} ({st['fingerprint']})",
-        f"  {role} of {st['num_stages']} stages, {'ready' if st['ready'] else 'joining'}"
-        f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
-        f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
-    ]
-    if st["stage"] == 0:
-        loss = "-" if st.get("loss") is None else f"{st['loss']:.3f}"
-        ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"
-        lines.append(
-            f"  loss {loss}, eval loss {ev}, {st['tokens']} tokens, {st['tokens_per_s']:.0f} tokens/s"
-        )
-    sync = st.get("sync")
-    if sync:
-        rounds = ", ".join(f"{k} {v}" for k, v in sorted(sync["rounds"].items())) or "none yet"
-        per = sync["seconds_sum"] / sync["seconds_count"] if sync["seconds_count"] else 0.0
-        spread = "-" if sync.get("spread_rms") is None else f"{sync['spread_rms']:.2e}"
-        lines.append(
-            f"  sync {sync['method']}: {sync['outer_steps']} outer steps ({rounds}), "
-            f"{per:.2f}s per round, spread to last partner {spread}, "
-            f"{sync['bytes_sent'] / 1e6:.1f} MB sent, {sync['bytes_received'] / 1e6:.1f} MB received"
-        )
-    bal = st.get("balance")
-    if bal:
-        plan = bal.get("plan")
-        lines.append(
-            f"  balance {bal['policy']}: own block speed {bal['own_block_rate']:.1f} samples/s, "
-            f"{'movable' if bal['movable'] else 'pinned'}, {bal['moves']} move(s)"
-            + (
-                f", planned: {plan['peer_id'][:8]} {plan['source']}->{plan['target']}"
-                if plan
-                else ""
-            )
-        )
-    lines.append("  peers:")
-    for stage, peers in sorted(st["peers"].items(), key=lambda kv: int(kv[0])):
-        if int(stage) < 0:
-            continue
-        total = sum(p["throughput"] for p in peers if p["ready"])
-        if int(stage) == st["stage"] and st["ready"]:
-            total += st["throughput"]
-        lines.append(
-            f"    stage {stage}: {len(peers)} peer(s), {total:.1f} samples/s in all"
-            + ("" if peers else "  <- none")
-        )
-        for p in peers:
-            lines.append(
-                f"      {p['peer_id']}  {p['address']:<21} step {p['step']:<6} "
-                f"{p['throughput']:>7.1f}/s  queue {p['queue']}  seen {p['age_s']:.1f}s ago"
-            )
-    return "\n".join(lines)
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from node.demo import run_demo
-
     return run_demo(args)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from node.stage.export import export_model
-
     status = fetch_status(args.address)
     overrides: dict[str, Any] = parse_sets(args.set)
     # The node's own split is the truth; model preset, overrides and seed come from the
@@ -483,8 +339,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from node.stage.export import generate, load_export, load_export_tokenizer
-
     model, info = load_export(args.model)
     tokenizer = load_export_tokenizer(args.model, info)
     text = generate(

@@ -1,10 +1,14 @@
 """Configuration: one frozen dataclass tree, resolved once at start-up.
 
 Precedence, lowest first: defaults < TOML file (``--config``) < environment
-(``MURMUR_<SECTION>_<FIELD>``, e.g. ``MURMUR_TRAIN_LR=1e-3``) < command-line flags. Nothing
-else in the project reads ``os.environ``. Each service receives only its own sub-config.
-Every field is documented by the string under it; ``node join --help-config`` prints them.
+(``MURMUR_<SECTION>_<FIELD>``, e.g. ``MURMUR_TRAIN_LR=1e-3``, plus the documented aliases in
+``ENV_ALIASES``) < command-line flags. The CLI hands the environment to ``resolve_config``;
+no other code reads ``MURMUR_*`` variables. Every field is documented by the string under
+it; ``node join --help-config`` prints them, with the allowed values of each choice (the
+``Literal`` types below, listed once and used by the CLI, validation and the help alike).
 The model section starts from the preset named by ``swarm.model`` and then applies overrides.
+Services receive the resolved tree through their context (``node.context``) and read their
+own section of it.
 """
 
 from __future__ import annotations
@@ -17,13 +21,26 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from node.data.dataset import DataConfig
 from node.stage.model import ModelConfig, preset
+from protocol.quant import Codec
 from swarm.membership import MembershipConfig
 
 ENV_PREFIX = "MURMUR_"
+ENV_ALIASES = {"MURMUR_MALLOC_REUSE": "node.malloc_reuse"}
+"""Environment variables documented under other names than ``MURMUR_<SECTION>_<FIELD>``."""
+
+SyncMethod = Literal["noloco", "diloco", "allreduce", "none"]
+RecoveryMethod = Literal["checkfree", "checkfree+", "checkpoint", "random"]
+BalancePolicy = Literal["throughput", "replicas"]
+ComputeDtype = Literal["float32", "bfloat16"]
+
+
+def choices(kind: Any) -> tuple[str, ...]:
+    """The allowed values of one of the ``Literal`` choice types above."""
+    return tuple(typing.get_args(kind))
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,9 @@ class NodeConfig:
     """On SIGINT/SIGTERM, how long to finish in-flight work before exiting."""
     log_level: str = "info"
     """Logging level: debug, info, warning, error."""
+    malloc_reuse: bool = True
+    """Have glibc keep and reuse freed memory, so large frames do not pay for fresh pages
+    (``node.allocator``); also MURMUR_MALLOC_REUSE=0 to turn it off."""
 
 
 @dataclass(frozen=True)
@@ -115,9 +135,9 @@ class TrainConfig:
     """Gradient clipping: maximum global L2 norm per inner step."""
     step_samples: int = 32
     """Samples whose gradients a replica accumulates before one inner optimizer step."""
-    compute_dtype: str = "float32"
+    compute_dtype: ComputeDtype = "float32"
     """Matmul dtype: float32 or bfloat16 (norms, softmax and loss stay fp32)."""
-    wire_codec: str = "bf16"
+    wire_codec: Codec = "bf16"
     """Activation and gradient encoding on the wire: fp32, bf16 or int8 (blockwise)."""
     max_in_flight: int = 6
     """Microbatches a head node keeps in the pipeline at once."""
@@ -142,10 +162,17 @@ class TrainConfig:
     compute_delay_stages: tuple[int, ...] = ()
     """Stages the compute delay applies to; empty: every stage (emulates a costlier stage)."""
 
+    def delay_on(self, stage: int) -> float:
+        """The artificial delay per forward on ``stage`` (``compute_delay_s``, limited to
+        ``compute_delay_stages`` when that is set)."""
+        if self.compute_delay_stages and stage not in self.compute_delay_stages:
+            return 0.0
+        return self.compute_delay_s
+
 
 @dataclass(frozen=True)
 class SyncConfig:
-    method: str = "noloco"
+    method: SyncMethod = "noloco"
     """How replicas of a stage stay together: noloco, diloco, allreduce (data parallel) or none."""
     outer_steps: int = 50
     """H: inner steps between outer steps (noloco, diloco)."""
@@ -159,7 +186,7 @@ class SyncConfig:
     """DiLoCo outer learning rate (Nesterov SGD)."""
     diloco_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum."""
-    codec: str = "fp32"
+    codec: Codec = "fp32"
     """Encoding of gossiped weights and all-reduce chunks: fp32, bf16 or int8 (blockwise)."""
     request_timeout_s: float = 10.0
     """Deadline of one gossip request (including the time it may be held by the partner)."""
@@ -189,7 +216,7 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    method: str = "checkfree"
+    method: RecoveryMethod = "checkfree"
     """How a stage whose replicas are all gone is rebuilt: checkfree, checkfree+, checkpoint
     (the restart baseline: every node saves, a lost stage reloads and everyone rolls back)
     or random (re-initialisation baseline)."""
@@ -213,7 +240,7 @@ class RecoveryConfig:
 
 @dataclass(frozen=True)
 class BalanceConfig:
-    policy: str = "throughput"
+    policy: BalancePolicy = "throughput"
     """How ``--stage auto`` places a node: throughput (an empty stage, else the block stage
     with the lowest total service rate, plus rebalancing) or replicas (the fewest replicas)."""
     interval_s: float = 30.0
@@ -262,7 +289,9 @@ def resolve_config(
                 raise ValueError(f"{path}: top-level key {section!r} must be a [section]")
             layered.update({f"{section}.{k}": v for k, v in values.items()})
     for key, raw in (env or {}).items():
-        if key.startswith(ENV_PREFIX):
+        if key in ENV_ALIASES:
+            layered[ENV_ALIASES[key]] = _parse_env(raw)
+        elif key.startswith(ENV_PREFIX):
             section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
             layered[f"{section}.{name}"] = _parse_env(raw)
     layered.update({k: v for k, v in (overrides or {}).items() if v is not None})
@@ -293,16 +322,19 @@ def describe(config: Config) -> dict[str, dict[str, Any]]:
 
 
 def field_docs() -> list[tuple[str, str, str]]:
-    """``(section.field, default, doc)`` for every setting, read from the docstrings."""
+    """``(section.field, default, doc)`` for every setting, read from the docstrings; a
+    choice's doc ends with its allowed values."""
     out = []
     for section in fields(Config):
         cls = typing.get_type_hints(Config)[section.name]
         docs = _docstrings(cls)
+        hints = typing.get_type_hints(cls)
         default = _default(section.name)
         for f in fields(cls):
-            out.append(
-                (f"{section.name}.{f.name}", repr(getattr(default, f.name)), docs.get(f.name, ""))
-            )
+            doc = docs.get(f.name, "")
+            if typing.get_origin(hints[f.name]) is Literal:
+                doc += f" One of: {', '.join(choices(hints[f.name]))}."
+            out.append((f"{section.name}.{f.name}", repr(getattr(default, f.name)), doc))
     return out
 
 
@@ -329,6 +361,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             item_type = args[0]
             items = [i.strip() if isinstance(i, str) else i for i in items if i != ""]
             return tuple(_coerce(i, item_type, where) for i in items)
+        if origin is Literal:
+            allowed = choices(hint)
+            if str(value) not in allowed:
+                raise ValueError(value)
+            return str(value)
         if hint in (str, "str"):
             return str(value)
         if hint is bool:
@@ -346,6 +383,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if typing.get_origin(hint) is not None or hint is type(None):
             return None if value in (None, "") else str(value)
     except (TypeError, ValueError):
+        if origin is Literal:
+            raise ValueError(
+                f"setting {where} must be one of {', '.join(choices(hint))}, not {value!r}"
+            ) from None
         raise ValueError(f"setting {where}: cannot use {value!r} as {hint}") from None
     return value
 
@@ -374,29 +415,12 @@ def _validate(c: Config) -> None:
             f"the {c.swarm.model} model has {c.model.num_blocks} blocks, which cannot be split "
             f"into {c.swarm.num_block_stages} equal block stages"
         )
-    if c.train.compute_dtype not in ("float32", "bfloat16"):
-        raise ValueError(
-            f"train.compute_dtype must be float32 or bfloat16, not {c.train.compute_dtype!r}"
-        )
-    if c.sync.method not in ("noloco", "diloco", "allreduce", "none"):
-        raise ValueError(
-            f"sync.method must be noloco, diloco, allreduce or none, not {c.sync.method!r}"
-        )
-    if c.recovery.method not in ("checkfree", "checkfree+", "checkpoint", "random"):
-        raise ValueError(
-            "recovery.method must be checkfree, checkfree+, checkpoint or random, "
-            f"not {c.recovery.method!r}"
-        )
     if c.recovery.method == "checkfree+" and c.swarm.num_block_stages < 4:
         raise ValueError(
             "recovery.method checkfree+ needs at least 4 block stages (swarm.num_block_stages)"
         )
-    if c.balance.policy not in ("throughput", "replicas"):
-        raise ValueError(f"balance.policy must be throughput or replicas, not {c.balance.policy!r}")
     if not 0 < c.balance.quality <= 1:
         raise ValueError(f"balance.quality must be in (0, 1], got {c.balance.quality}")
-    if c.sync.codec not in ("fp32", "bf16", "int8"):
-        raise ValueError(f"sync.codec must be fp32, bf16 or int8, not {c.sync.codec!r}")
     if c.sync.outer_steps < 1:
         raise ValueError(f"sync.outer_steps must be at least 1, got {c.sync.outer_steps}")
     if not _poison_spec_ok(c.sync.debug_poison):
@@ -405,8 +429,6 @@ def _validate(c: Config) -> None:
         )
     if c.sync.screen_window < 1 or c.sync.screen_warmup < 0 or c.sync.screen_multiple < 0:
         raise ValueError("sync.screen_window must be >= 1, screen_warmup and _multiple >= 0")
-    if c.train.wire_codec not in ("fp32", "bf16", "int8"):
-        raise ValueError(f"train.wire_codec must be fp32, bf16 or int8, not {c.train.wire_codec!r}")
     if c.data.seq_len > c.model.max_seq_len:
         raise ValueError(
             f"data.seq_len {c.data.seq_len} exceeds model.max_seq_len {c.model.max_seq_len}"
@@ -414,6 +436,17 @@ def _validate(c: Config) -> None:
     parse_hostport(c.net.listen, "net.listen")
     for b in c.net.bootstrap:
         parse_hostport(b, "net.bootstrap")
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """``--set SECTION.FIELD=VALUE`` items as ``{"section.field": "value"}`` overrides."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"--set expects SECTION.FIELD=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:

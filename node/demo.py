@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from node.cli import fetch_status, operator_auth, parse_sets, post_to_node
+from node.client import fetch_status, operator_auth, request_eval
+from node.config import parse_sets
 from protocol.auth import SwarmAuth
 
 DEMO_SETTINGS = {
@@ -119,11 +120,6 @@ def wait_ready(address: str, timeout_s: float, swarm: LocalSwarm) -> dict[str, A
             pass
         time.sleep(0.5)
     raise TimeoutError(f"node {address} not ready after {timeout_s:.0f}s")
-
-
-def request_eval(address: str, timeout_s: float = 120.0, auth: SwarmAuth | None = None) -> float:
-    """Have a head node evaluate now (a keyed swarm's node wants a proof over the empty body)."""
-    return float(post_to_node(address, "/eval", auth, timeout_s)["eval_loss"])
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 Owns the ``murmur_*`` metric names and labels and the metrics HTTP endpoint. A custom
 collector reads the node's state when Prometheus scrapes (``Node.status()``, the transport's
-traffic statistics) instead of calls sprinkled through the algorithm code, into a registry
+traffic statistics, ``Node.traffic()``) instead of calls sprinkled through the algorithm code, into a registry
 of its own (several nodes may share a process in tests). Labels are of low cardinality only:
 ``stage``, ``kind`` (wire message type), ``outcome``, ``code``, ``direction``; never a peer id.
 
@@ -24,7 +24,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
@@ -39,7 +39,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from node.net.transport import TrafficStats, server_stats
+from node.net.transport import TrafficStats
 
 log = logging.getLogger(__name__)
 
@@ -83,24 +83,26 @@ def _copy_stats(stats: TrafficStats) -> TrafficStats:
     )
 
 
-def take_snapshot(node: Any) -> Snapshot:
-    """Read ``node`` (a ``node.daemon.Node`` or anything shaped like it); call on its loop."""
-    transport = getattr(node, "transport", None)
-    client = getattr(transport, "stats", None)
-    # the daemon's aiohttp application, whose request bodies read_frame counts
-    site_runner = getattr(node, "_site_runner", None)
-    app = getattr(site_runner, "app", None)
-    return Snapshot(
-        status=node.status(),
-        client=_copy_stats(client) if client is not None else TrafficStats(),
-        server=_copy_stats(server_stats(app)) if app is not None else TrafficStats(),
-    )
+class Observed(Protocol):
+    """What the collector reads of a node (``node.daemon.Node``, or a test's stand-in)."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    def traffic(self) -> tuple[TrafficStats, TrafficStats]:
+        """Client-side and server-side traffic statistics."""
+        ...
+
+
+def take_snapshot(node: Observed) -> Snapshot:
+    """Read ``node``; call on its loop."""
+    client, server = node.traffic()
+    return Snapshot(status=node.status(), client=_copy_stats(client), server=_copy_stats(server))
 
 
 class NodeCollector(Collector):
     """Exports one node's state; ``loop``: the node's event loop (None: read directly)."""
 
-    def __init__(self, node: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, node: Observed, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._node = node
         self._loop = loop
 
@@ -441,7 +443,7 @@ class MetricsServer:
         self._thread.join(timeout=2.0)
 
 
-def start_metrics_server(node: Any, host: str, port: int) -> MetricsServer:
+def start_metrics_server(node: Observed, host: str, port: int) -> MetricsServer:
     """Serve ``node``'s metrics on ``host:port`` (0: a free port, see ``.port``)."""
     try:
         loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()

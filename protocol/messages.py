@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
@@ -498,8 +498,3 @@ def _passes(check: Checker, value: Any) -> bool:
     except _Bad:
         return False
     return True
-
-
-def hops(path: Sequence[Hop]) -> str:
-    """A short human-readable route, for logs: ``0:ab12>1:cd34>2:ef56``."""
-    return ">".join(f"{h.stage}:{h.peer_id[:4]}" for h in path)

@@ -22,7 +22,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -48,8 +48,9 @@ __all__ = [
 
 DEFAULT_BLOCK: int = 2048
 """Values per quantization block (ZeRO++ and hivemind use a few thousand)."""
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8")
+Codec = Literal["fp32", "bf16", "int8"]
 """Wire codec names understood by ``encode_tensor`` and ``decode_tensor``."""
+CODECS: tuple[str, ...] = get_args(Codec)
 
 _QMAX = 127
 

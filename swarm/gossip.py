@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,12 +106,10 @@ class GossipService:
         self_id: str,
         stage: int,
         replicas: Callable[[], list[PeerRecord]],
-        introduce: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
-        """``introduce(address)`` tells a peer who we are (a membership hello); a partner
-        that refused us as ``unknown_peer`` is introduced to once and asked again."""
+        """``transport`` should introduce this replica to a partner that does not know it
+        yet (``swarm.membership.IntroducingTransport``), as the daemon's does."""
         self.config = config
-        self.introduce = introduce
         self.transport = transport
         self.clock = clock
         self.rng = rng
@@ -195,16 +193,7 @@ class GossipService:
         )
         timeout = max(0.1, min(self.config.request_timeout_s, deadline - self.clock.now()))
         try:
-            try:
-                answer = await self.transport.request(peer.address, request, timeout, peer.peer_id)
-            except TransportError as e:
-                # it has not heard of us yet (keyed swarms refuse strangers): say hello, ask again
-                if e.code != "unknown_peer" or self.introduce is None:
-                    raise
-                if not await self.introduce(peer.address):
-                    raise
-                timeout = max(0.1, min(self.config.request_timeout_s, deadline - self.clock.now()))
-                answer = await self.transport.request(peer.address, request, timeout, peer.peer_id)
+            answer = await self.transport.request(peer.address, request, timeout, peer.peer_id)
             reply = expect(answer, GossipReply)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"

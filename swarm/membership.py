@@ -15,6 +15,10 @@ Owns the protocol that keeps every node's ``PeerTable`` converging on the whole 
 - Only peers of the same swarm name and model fingerprint are admitted; others are refused
   with code ``wrong_swarm`` and never enter the table.
 
+``IntroducingTransport`` applies one rule of this protocol to every other request: a peer
+that refuses us as ``unknown_peer`` (it has not heard of us yet; keyed swarms refuse
+strangers' microbatches and gossip) is sent one ``Hello`` and asked once more.
+
 Does not own discovery on the LAN (``swarm.discovery`` feeds addresses in through
 ``add_address``), nor sockets (the ``Transport`` seam), nor what the table is used for.
 """
@@ -24,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from protocol.messages import Hello, Leave, PeerRecord, Welcome, expect
+from protocol.messages import Hello, Leave, Message, PeerRecord, Welcome, expect
 from swarm.peers import PeerTable
 from swarm.seams import Clock, Refused, Transport, TransportError
 
@@ -203,3 +207,32 @@ class _Lost:
     since_s: float
     next_s: float
     wait_s: float
+
+
+class IntroducingTransport:
+    """A ``Transport`` that says hello to a peer that does not know this node yet.
+
+    A request refused with ``unknown_peer`` is followed by ``introduce(address)`` (a
+    membership ``Hello``, ``MembershipService.contact``) and, if the peer answered it, sent
+    once more within what is left of the same deadline. Hops, gossip and recovery requests
+    go through it; membership itself uses the plain transport (a refused hello is final).
+    """
+
+    def __init__(
+        self, inner: Transport, introduce: Callable[[str], Awaitable[bool]], clock: Clock
+    ) -> None:
+        self.inner = inner
+        self.introduce = introduce
+        self.clock = clock
+
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
+        start = self.clock.now()
+        try:
+            return await self.inner.request(address, msg, timeout_s, peer_id)
+        except TransportError as e:
+            if e.code != "unknown_peer" or not await self.introduce(address):
+                raise
+        left_s = max(0.1, timeout_s - (self.clock.now() - start))
+        return await self.inner.request(address, msg, left_s, peer_id)

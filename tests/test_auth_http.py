@@ -42,8 +42,7 @@ async def started(**settings: str) -> Node:
         overrides={"net.listen": "127.0.0.1:0", "net.zeroconf": "false", **settings}
     )
     node = Node(config)
-    await node.transport.start()
-    await node._start_server()
+    await node.start_server()
     return node
 
 
@@ -51,7 +50,7 @@ async def started(**settings: str) -> Node:
 async def keyed() -> AsyncIterator[Node]:
     node = await started(**{"net.swarm_key": KEY})
     yield node
-    await node._close()
+    await node.close()
 
 
 @pytest.fixture
@@ -72,7 +71,7 @@ def signed(
 ) -> tuple[dict[str, str], bytes]:
     buffers = encode_message(msg)
     sent = SwarmAuth(key.encode(), who).sign_request(
-        node.address, "POST", RPC_PATH, frame_digest(buffers), now or time.time()
+        node.state.address, "POST", RPC_PATH, frame_digest(buffers), now or time.time()
     )
     return {AUTH_HEADER: sent.header}, join_frame(buffers)
 
@@ -80,7 +79,9 @@ def signed(
 async def post(
     session: aiohttp.ClientSession, node: Node, headers: dict[str, str], body: bytes
 ) -> tuple[int, Message]:
-    async with session.post(f"http://{node.address}{RPC_PATH}", data=body, headers=headers) as r:
+    async with session.post(
+        f"http://{node.state.address}{RPC_PATH}", data=body, headers=headers
+    ) as r:
         return r.status, decode_message(await r.read())
 
 
@@ -88,10 +89,10 @@ async def test_members_talk_and_replies_are_sealed(keyed: Node) -> None:
     transport = HttpTransport(Limits(), SwarmAuth(KEY.encode(), ALICE))
     await transport.start()
     try:
-        reply = await transport.request(keyed.address, hello(keyed, ALICE), timeout_s=5)
+        reply = await transport.request(keyed.state.address, hello(keyed, ALICE), timeout_s=5)
         assert isinstance(reply, Welcome) and reply.sender.peer_id == keyed.peer_id
         assert ALICE.peer_id in {p.peer_id for p in keyed.table.records()}
-        await transport.request(keyed.address, Leave(peer_id=ALICE.peer_id), timeout_s=5)
+        await transport.request(keyed.state.address, Leave(peer_id=ALICE.peer_id), timeout_s=5)
         assert ALICE.peer_id not in {p.peer_id for p in keyed.table.records()}
     finally:
         await transport.close()
@@ -132,17 +133,17 @@ async def test_strangers_replays_forgeries_and_impersonators_are_refused(
     assert {k: v for k, v in counters.items() if k.startswith("rejected_")} == expected
     # /eval and /profile cost the swarm work: a keyed node wants a proof there too
     for path in ["/eval", "/profile"]:
-        async with session.post(f"http://{keyed.address}{path}") as r:
+        async with session.post(f"http://{keyed.state.address}{path}") as r:
             assert r.status == 401 and "auth_missing" in (await r.json())["error"], path
     proof = SwarmAuth(KEY.encode(), ALICE).sign_request(
-        keyed.address, "POST", "/profile", frame_digest([]), time.time()
+        keyed.state.address, "POST", "/profile", frame_digest([]), time.time()
     )
     async with session.post(
-        f"http://{keyed.address}/profile", headers={AUTH_HEADER: proof.header}
+        f"http://{keyed.state.address}/profile", headers={AUTH_HEADER: proof.header}
     ) as r:  # let in, and this node has no stage to profile
         assert r.status == 409 and "not_ready" in (await r.json())["error"]
     # /status stays open (read-only operator information, documented in SECURITY.md)
-    async with session.get(f"http://{keyed.address}/status") as r:
+    async with session.get(f"http://{keyed.state.address}/status") as r:
         assert r.status == 200 and KEY not in await r.text()
 
 
@@ -154,18 +155,20 @@ async def test_open_and_keyed_nodes_do_not_talk(keyed: Node) -> None:
     await member.start()
     try:
         with pytest.raises(TransportError) as e:
-            await stranger.request(keyed.address, hello(keyed, ALICE), timeout_s=5)
+            await stranger.request(keyed.state.address, hello(keyed, ALICE), timeout_s=5)
         assert e.value.code == "auth_missing"
         with pytest.raises(TransportError) as e:  # an unsealed reply proves no membership
-            await member.request(open_node.address, hello(open_node, ALICE), timeout_s=5)
+            await member.request(open_node.state.address, hello(open_node, ALICE), timeout_s=5)
         assert e.value.code == "auth_missing"
-        reply = await stranger.request(open_node.address, hello(open_node, ALICE), timeout_s=5)
+        reply = await stranger.request(
+            open_node.state.address, hello(open_node, ALICE), timeout_s=5
+        )
         assert isinstance(reply, Welcome)
         assert open_node.status()["auth"] == "open"
     finally:
         await stranger.close()
         await member.close()
-        await open_node._close()
+        await open_node.close()
 
 
 def test_a_keyed_node_takes_no_foreign_peer_id() -> None:
@@ -185,7 +188,7 @@ async def test_large_frames_are_hashed_off_the_loop_to_the_same_digest() -> None
 async def test_node_export_seals_its_state_fetches(keyed: Node) -> None:
     member = SwarmAuth(KEY.encode(), ALICE)
     with pytest.raises(ValueError, match="auth_missing"):
-        await asyncio.to_thread(fetch_stage_state, keyed.address, 1, 5.0)
+        await asyncio.to_thread(fetch_stage_state, keyed.state.address, 1, 5.0)
     # past the proof, the node answers for itself: it serves no stage yet
     with pytest.raises(ValueError, match="not_ready"):
-        await asyncio.to_thread(fetch_stage_state, keyed.address, 1, 5.0, member)
+        await asyncio.to_thread(fetch_stage_state, keyed.state.address, 1, 5.0, member)

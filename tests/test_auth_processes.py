@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from node.cli import NodeRefused, fetch_status
-from node.demo import LocalSwarm, request_eval, wait_ready
+from node.client import NodeRefused, fetch_status, request_eval
+from node.demo import LocalSwarm, wait_ready
 from node.identity import IDENTITY_FILE
 from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 from protocol.frames import join_frame

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from node.cli import fetch_status
+from node.client import fetch_status
 from node.demo import LocalSwarm, free_port, wait_ready
 from node.identity import IDENTITY_FILE
 from tests.helpers import wait_for

@@ -152,7 +152,7 @@ async def test_init_slices_for_any_split(tmp_path: Path, monkeypatch: pytest.Mon
     runner = StageRunner(_config(**{"swarm.num_block_stages": 2}), 2)
     await runner.start()
     try:
-        await runner.run(init_stage, runner, init)
+        await runner.compute(init_stage, runner, init)
         assert runner.step == 0 and not runner.optimizer.state
         assert torch.equal(
             runner.module.state_dict()["blocks.2.mlp.w2.weight"], full["blocks.5.mlp.w2.weight"]
@@ -229,9 +229,9 @@ def _bf16_wire_loss(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_swarm_export_generate_and_init(tmp_path: Path) -> None:
-    from node.cli import fetch_status
+    from node.client import fetch_status, request_eval
     from node.data.dataset import DataConfig, open_dataset
-    from node.demo import LocalSwarm, request_eval, wait_ready
+    from node.demo import LocalSwarm, wait_ready
 
     first = LocalSwarm(tmp_path / "first", SWARM)
     first.log_dir.mkdir()

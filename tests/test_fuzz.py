@@ -251,7 +251,7 @@ def served() -> Iterator[tuple[asyncio.AbstractEventLoop, Node, Node]]:
     ring = loop.run_until_complete(start_node(SELF, **fuzz, **{"sync.method": "diloco"}))
     yield loop, node, ring
     for n in (node, ring):
-        loop.run_until_complete(n._close())
+        loop.run_until_complete(n.close())
     loop.close()
 
 
@@ -358,19 +358,18 @@ def test_handlers_answer_or_refuse_and_never_crash(
 ) -> None:
     loop, node, ring = served
     try:
-        decoded = decode_message(join_frame(encode_message(msg)), node.limits)
+        decoded = decode_message(join_frame(encode_message(msg)), node.server.limits)
     except ProtocolError:
         return
     except ValueError:  # not even encodable (an int beyond 64 bits): no peer can send it
         return
     target = ring if isinstance(decoded, RingChunk) else node
     try:
-        reply = loop.run_until_complete(target._dispatch(decoded, "127.0.0.1"))
+        reply = loop.run_until_complete(target.server._dispatch(decoded, "127.0.0.1"))
         assert isinstance(reply, Message)
     except (ProtocolError, Refused):
         pass
-    while not target._queue.empty():  # no worker runs: keep the queue from filling up
-        target._queue.get_nowait()
+    target.work.drop_all()  # no worker runs: keep the queue from filling up
 
 
 def test_fuzzed_nodes_are_still_serving_with_their_weights_intact(
@@ -378,6 +377,6 @@ def test_fuzzed_nodes_are_still_serving_with_their_weights_intact(
 ) -> None:
     _, *nodes = served
     for node in nodes:
-        assert node.ready and not node.leaving
+        assert node.state.ready and not node.state.leaving
         assert node.runner.step == 0
         assert all(torch.isfinite(p).all() for p in node.runner.module.parameters())

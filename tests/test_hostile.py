@@ -63,11 +63,10 @@ SETTINGS = {
 
 async def start_node(peer_id: str | None = None, **settings: Any) -> Node:
     node = Node(resolve_config(overrides={**SETTINGS, **settings}), peer_id)
-    await node.transport.start()
-    await node._start_server()
-    await node._take_stage(int(node.config.node.stage))
+    await node.start_server()
+    await node.take_stage(int(node.config.node.stage))
     now = node.clock.now()
-    for peer_id, stage in ((HEAD, 0), (OTHER, node.stage)):
+    for peer_id, stage in ((HEAD, 0), (OTHER, node.state.stage)):
         node.table.observe(
             PeerRecord(peer_id=peer_id, address="127.0.0.1:9", stage=stage, ready=True), now
         )
@@ -84,14 +83,14 @@ async def make_node() -> AsyncIterator[Callable[..., Any]]:
 
     yield make
     for node in nodes:
-        await node._close()
+        await node.close()
 
 
 async def post(node: Node, body: bytes | Message) -> tuple[int, Message]:
     data = body if isinstance(body, bytes) else join_frame(encode_message(body))
     async with (
         aiohttp.ClientSession() as session,
-        session.post(f"http://{node.address}/rpc", data=data) as resp,
+        session.post(f"http://{node.state.address}/rpc", data=data) as resp,
     ):
         return resp.status, decode_message(await resp.read())
 
@@ -168,7 +167,7 @@ async def test_frame_faults_are_refused_with_their_codes(make_node: Any) -> None
     ]
     for body, code, status in cases:
         await refused(node, body, code, status)
-    assert node.ready and node._queue.empty()
+    assert node.state.ready and node.work.qsize() == 0
 
 
 async def test_activation_faults_are_refused(make_node: Any) -> None:
@@ -194,7 +193,7 @@ async def test_activation_faults_are_refused(make_node: Any) -> None:
     ]
     for msg, code, status in cases:
         await refused(node, msg, code, status)
-    assert node._queue.empty()
+    assert node.work.qsize() == 0
     after = node.runner.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -204,8 +203,12 @@ async def test_duplicate_and_stale_microbatches(make_node: Any) -> None:
     status, reply = await post(node, forward(mb_id="00000000.7.1"))
     assert (status, reply) == (200, Ack())
     await refused(node, forward(mb_id="00000000.7.1"), "duplicate_microbatch", 409)
-    assert node._queue.qsize() == 1  # the copy was not queued
-    path = [Hop(0, HEAD, "127.0.0.1:9"), Hop(1, node.peer_id, node.address), Hop(2, OTHER, "x:1")]
+    assert node.work.qsize() == 1  # the copy was not queued
+    path = [
+        Hop(0, HEAD, "127.0.0.1:9"),
+        Hop(1, node.peer_id, node.state.address),
+        Hop(2, OTHER, "x:1"),
+    ]
     tensors, meta = encode_tensor(torch.zeros(2, 8, 128), "fp32", name="g")
     back = Backward(mb_id="00000000.9.1", index=1, path=path, meta=meta, tensors=tensors)
     await refused(node, back, "unknown_microbatch", 410)  # stale: never saved, or expired
@@ -216,7 +219,7 @@ async def test_head_refuses_stale_and_foreign_microbatches(make_node: Any) -> No
     last = Hop(2, OTHER, "127.0.0.1:9")
     node.table.observe(PeerRecord(peer_id=OTHER, address="x:1", stage=2, ready=True), 0.0)
     home = forward(stage=0, sender=OTHER)
-    stale = Forward(**{**home.__dict__, "path": [Hop(0, node.peer_id, node.address), last]})
+    stale = Forward(**{**home.__dict__, "path": [Hop(0, node.peer_id, node.state.address), last]})
     await refused(node, stale, "stale_microbatch", 410)
     foreign = Forward(**{**home.__dict__, "path": [Hop(0, HEAD, "x:2"), last]})
     await refused(node, foreign, "not_on_path", 400)
@@ -274,8 +277,8 @@ async def test_queued_work_is_bounded_in_jobs_and_bytes(make_node: Any) -> None:
     for i in range(2):
         assert (await post(node, forward(mb_id=f"00000000.{i}.1")))[0] == 200
     await refused(node, forward(mb_id="00000000.5.1"), "overloaded", 503)
-    node._queue.get_nowait()  # the worker took one: room again
-    node._job_bytes.pop(min(node._job_bytes))
+    node.work._queue.get_nowait()  # the worker took one: room again
+    node.work._job_bytes.pop(min(node.work._job_bytes))
     assert (await post(node, forward(mb_id="00000000.6.1")))[0] == 200
 
 

@@ -13,7 +13,6 @@ import math
 import socket
 import threading
 import urllib.request
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -210,12 +209,15 @@ class FakeNode:
 
     def __init__(self, status: dict[str, Any], stats: TrafficStats | None = None) -> None:
         self._status = status
-        self.transport = SimpleNamespace(stats=stats or TrafficStats())
+        self.stats = stats or TrafficStats()
         self.status_threads: list[int] = []
 
     def status(self) -> dict[str, Any]:
         self.status_threads.append(threading.get_ident())
         return self._status
+
+    def traffic(self) -> tuple[TrafficStats, TrafficStats]:
+        return self.stats, TrafficStats()
 
 
 def scrape(node: Any) -> str:

@@ -129,14 +129,14 @@ async def nodes() -> AsyncIterator[Callable[..., Any]]:
 
     yield make
     for node in started:
-        await node._close()
+        await node.close()
 
 
 async def offer(node: Node, poison: str = "") -> Contribution:
     """What a replica at the same point as ``node`` would offer, poisoned as asked."""
     runner = node.runner
     assert runner is not None
-    tensors, meta = await runner.run(runner.outer_contribution, "fp32")
+    tensors, meta = await runner.compute(runner.outer_contribution, "fp32")
     if poison == "nan":
         tensors = {k: torch.full_like(v, math.nan) for k, v in tensors.items()}
     elif poison.startswith("scale:"):
@@ -168,7 +168,7 @@ async def test_a_poisoned_partner_is_refused_banned_and_never_chosen(
 async def test_debug_poison_knob_poisons_only_the_outgoing_offer(nodes: Any) -> None:
     node = await nodes(**{"sync.debug_poison": "scale:1000"})
     runner = node.runner
-    tensors, meta = await runner.run(runner.outer_contribution, "fp32")
+    tensors, meta = await runner.compute(runner.outer_contribution, "fp32")
     assert torch.allclose(tensors["phi"], runner.phi * 1000)
     assert torch.isfinite(runner.phi).all() and float(runner.phi.abs().max()) < 100
 
@@ -189,14 +189,14 @@ async def test_a_poisoned_state_source_is_refused_and_the_next_one_copied(
             p.add_(0.01)
     bad.runner.step, good.runner.step = 9, 5  # the poisoner looks more advanced: asked first
     joiner = Node(bad.config)
-    await joiner.transport.start()
+    await joiner.http.start()
     try:
         for peer, step in ((bad, 9), (good, 5)):
             joiner.table.observe(
-                PeerRecord(peer.peer_id, peer.address, stage=1, step=step, ready=True), 0.0
+                PeerRecord(peer.peer_id, peer.state.address, stage=1, step=step, ready=True), 0.0
             )
-        joiner.stage = 1
-        await joiner._take_stage(1)
+        joiner.state.stage = 1
+        await joiner.take_stage(1)
         assert joiner.counters[f"weights_refused:recovery:{reason}"] == 1
         assert joiner.router.is_quarantined(bad.peer_id, joiner.clock.now())
         assert joiner.runner.step == 5  # copied from the clean source
@@ -204,4 +204,4 @@ async def test_a_poisoned_state_source_is_refused_and_the_next_one_copied(
         theirs = good.runner.module.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in mine)
     finally:
-        await joiner._close()
+        await joiner.close()

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from node.cli import fetch_status
-from node.demo import LocalSwarm, request_eval, wait_ready
+from node.client import fetch_status, request_eval
+from node.demo import LocalSwarm, wait_ready
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

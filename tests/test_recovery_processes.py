@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import fetch_status
-from node.demo import LocalSwarm, request_eval, wait_ready
+from node.client import fetch_status, request_eval
+from node.demo import LocalSwarm, wait_ready
 from tests.helpers import kill_nodes, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

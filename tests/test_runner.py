@@ -62,14 +62,14 @@ def test_backward_after_a_step_uses_the_forwards_own_weights() -> None:
     r.block_forward("old", x, train=True)
     r.block_forward("new", torch.randn(2, 8, 128), train=True)
     r.block_backward("new", torch.randn(2, 8, 128))  # steps: "old"'s weights are stashed
-    assert r.step == 1 and len(r._stash) == 1
+    assert r.step == 1 and r.stash.num_stashed == 1
     now_in, _ = _grads_with(r.module, x, g)
     assert not torch.allclose(now_in, want_in, atol=1e-4)  # the step did change the weights
     gin = r.block_backward("old", g)  # must not raise the in-place modification error
     assert torch.allclose(gin, want_in, atol=1e-5)
     for p, want in zip(r.module.parameters(), want_params, strict=True):
         assert torch.allclose(p.grad, want, atol=1e-5)
-    assert r._stash == {}  # no graph refers to the old weights any more
+    assert r.stash.num_stashed == 0  # no graph refers to the old weights any more
 
 
 def test_stash_survives_an_outer_step_and_is_freed_by_expiry() -> None:
@@ -85,12 +85,12 @@ def test_stash_survives_an_outer_step_and_is_freed_by_expiry() -> None:
     with torch.no_grad():
         for p in r.module.parameters():
             p.mul_(0.5)  # and an in-place change to that
-    assert len(r._stash) == 2
+    assert r.stash.num_stashed == 2
     assert torch.allclose(r.block_backward("a", g), want_in, atol=1e-5)
-    assert len(r._stash) == 1
+    assert r.stash.num_stashed == 1
     saved_at = r._saved["b"].created_s
     assert r.expire_saved(saved_at + r.train.activation_ttl_s + 1) == 1
-    assert r._stash == {}
+    assert r.stash.num_stashed == 0
 
 
 def test_no_stash_when_no_graph_is_waiting() -> None:
@@ -98,7 +98,7 @@ def test_no_stash_when_no_graph_is_waiting() -> None:
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
     r.block_forward("a", x, train=True)
     r.block_backward("a", g)
-    assert r.step == 1 and r._stash == {}
+    assert r.step == 1 and r.stash.num_stashed == 0
 
 
 def test_eval_forward_saves_nothing_and_ttl_expires() -> None:

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from node.cli import NodeRefused, fetch_status, post_to_node
+from node.client import NodeRefused, fetch_status, post_to_node, request_eval
 from node.data.dataset import shard_of
-from node.demo import LocalSwarm, request_eval, wait_ready
+from node.demo import LocalSwarm, wait_ready
 from node.identity import IDENTITY_FILE
 from protocol.auth import Identity
 from protocol.frames import encode_frame, join_frame

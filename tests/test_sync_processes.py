@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from node.cli import fetch_status
+from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance

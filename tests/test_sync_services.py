@@ -14,6 +14,7 @@ from protocol.messages import Ack, GossipRequest, Hop, Message, PeerRecord, Ring
 from protocol.quant import encode_tensor
 from swarm.allreduce import RingAllReduce, RingFailed, chunk_bounds, ring_steps
 from swarm.gossip import Contribution, GossipConfig, GossipService
+from swarm.membership import IntroducingTransport
 from swarm.seams import MonotonicClock, Refused, TransportError
 
 pytestmark = pytest.mark.timeout(30)
@@ -259,7 +260,8 @@ async def test_a_partner_that_does_not_know_us_yet_is_introduced_to_and_asked_ag
 
         return introduce
 
-    a.introduce, b.introduce = introducer("p0"), introducer("p1")
+    a.transport = IntroducingTransport(net, introducer("p0"), MonotonicClock())
+    b.transport = IntroducingTransport(net, introducer("p1"), MonotonicClock())
     ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
     assert hellos and (ra.partner_id, rb.partner_id) == ("p1", "p0")
 

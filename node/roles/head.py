@@ -1,7 +1,7 @@
-"""The head stage's trainer role: issue microbatches, finish them, evaluate.
+"""The head stage's role: issue microbatches, finish them, evaluate.
 
 A head-stage node is where every microbatch starts and ends (SWARM's "trainer", arXiv
-2301.11913, section 3; ALGORITHMS.md section 2). This module owns:
+2301.11913, section 3). This module owns:
 
 - keeping ``max_in_flight`` training microbatches in the pipeline, pausing while some
   block stage has no ready replica;
@@ -13,7 +13,10 @@ A head-stage node is where every microbatch starts and ends (SWARM's "trainer", 
   the embedding's backward when it returns;
 - evaluation on the fixed held-out split, through the same pipeline without gradients.
 
-Does not own routing or the network (``node.daemon``) or torch state (``node.stage.runner``).
+Its two jobs (``node.roles.base.StageRole``): a forward that came home gets its loss and its
+gradient sent back; a backward that came home finishes the microbatch in the embedding.
+
+Does not own routing or the network (``node.pipeline``) or torch state (``node.stage.runner``).
 """
 
 from __future__ import annotations
@@ -24,20 +27,20 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from node.context import NodeContext
 from node.data.dataset import TextDataset, open_dataset, shard_of
+from node.pipeline import HopSender, Job, Send
+from node.stage.runner import StageRunner
 from protocol.messages import Backward, Forward, Hop, prepare
 from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
-
-if TYPE_CHECKING:
-    from node.daemon import Node
+from swarm.seams import Refused
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +87,20 @@ class _Window:
         )
 
 
-class HeadTrainer:
+class HeadRole:
     """Drives training from a head-stage node."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.config = node.config
-        self.train = node.config.train
+    forward_kind = "loss"
+
+    def __init__(self, ctx: NodeContext, runner: StageRunner, hops: HopSender) -> None:
+        self.ctx = ctx
+        self.runner = runner
+        self.hops = hops
+        self.config = ctx.config
+        self.train = ctx.config.train
         self.dataset: TextDataset | None = None
         self.shard = -1
-        self.gen = torch.Generator().manual_seed(int(node.peer_id[:8], 16))
+        self.gen = torch.Generator().manual_seed(int(ctx.peer_id[:8], 16))
         self.pending: dict[str, Pending] = {}
         self._seq = 0
         self._num_issues = 0
@@ -111,9 +118,9 @@ class HeadTrainer:
         """Load this node's data shard and the shared eval split (on the compute thread)."""
         data = self.config.data
         taken = [
-            p.data_shard for p in self.node.table.replicas(0, ready_only=False) if p.data_shard >= 0
+            p.data_shard for p in self.ctx.table.replicas(0, ready_only=False) if p.data_shard >= 0
         ]
-        preferred = shard_of(self.node.peer_id, data.num_shards)
+        preferred = shard_of(self.ctx.peer_id, data.num_shards)
         shard = data.shard if data.shard >= 0 else choose_shard(data.num_shards, taken, preferred)
         self.shard = shard
 
@@ -121,8 +128,7 @@ class HeadTrainer:
             seed, vocab_size = self.config.swarm.seed, self.config.model.vocab_size
             return open_dataset(data, shard=shard, seed=seed, vocab_size=vocab_size)
 
-        assert self.node.runner is not None
-        self.dataset = await self.node.runner.run(load)
+        self.dataset = await self.runner.compute(load)
         self._eval_data = self.dataset.eval_batches(
             self.train.eval_batches, data.batch_size, data.seq_len
         )
@@ -137,7 +143,7 @@ class HeadTrainer:
     # ---- the loop -----------------------------------------------------------------------
 
     def pipeline_complete(self) -> bool:
-        return all(self.node.table.replicas(s) for s in range(1, self.node.num_stages))
+        return all(self.ctx.table.replicas(s) for s in range(1, self.ctx.num_stages))
 
     async def run(self) -> None:
         await self._wait_for_pipeline()
@@ -145,7 +151,7 @@ class HeadTrainer:
             await self.evaluate()
         self.started_s = time.monotonic()
         next_eval = time.monotonic() + self.train.eval_interval_s
-        while not self.node.leaving:
+        while not self.ctx.state.leaving:
             self._check_deadlines()
             if self.pipeline_complete():
                 while self._num_training() < self.train.max_in_flight:
@@ -154,17 +160,17 @@ class HeadTrainer:
                 await self._wait_for_pipeline()
             if self.train.eval_interval_s > 0 and time.monotonic() >= next_eval:
                 next_eval = time.monotonic() + self.train.eval_interval_s
-                self.node.spawn(self._evaluate_quietly())
+                self.ctx.spawn(self._evaluate_quietly())
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=0.2)
 
     async def _wait_for_pipeline(self) -> None:
         announced = False
-        while not self.pipeline_complete() and not self.node.leaving:
+        while not self.pipeline_complete() and not self.ctx.state.leaving:
             if not announced:
                 missing = [
-                    s for s in range(1, self.node.num_stages) if not self.node.table.replicas(s)
+                    s for s in range(1, self.ctx.num_stages) if not self.ctx.table.replicas(s)
                 ]
                 log.info("waiting for replicas of stage(s) %s before issuing microbatches", missing)
                 announced = True
@@ -189,8 +195,7 @@ class HeadTrainer:
         eval_result: asyncio.Future[float] | None = None,
     ) -> None:
         """Embed a microbatch and send it into block stage 1."""
-        runner = self.node.runner
-        assert runner is not None
+        runner = self.runner
         if seq is None:
             self._seq += 1
             seq = self._seq
@@ -204,14 +209,14 @@ class HeadTrainer:
             eval_result,
         )
         self._num_issues += 1
-        p.mb_id = f"{self.node.peer_id[:8]}.{seq}.{self._num_issues}"
+        p.mb_id = f"{self.ctx.peer_id[:8]}.{seq}.{self._num_issues}"
         self.pending[p.mb_id] = p
-        self.node.counters["microbatches_issued"] += 1  # with the insert: issued == ended + pending
+        self.ctx.counters["microbatches_issued"] += 1  # with the insert: issued == ended + pending
         codec = self.train.wire_codec
         route: list[int] = []
         if self.config.recovery.method == "checkfree+" and eval_result is None:
             route = checkfree_plus_route(seq, self.config.swarm.num_block_stages)
-        mb_id, path = p.mb_id, [Hop(0, self.node.peer_id, self.node.address)]
+        mb_id, path = p.mb_id, [Hop(0, self.ctx.peer_id, self.ctx.state.address)]
 
         def compute() -> Forward:
             tensors, meta = encode_tensor(runner.head_embed(ids), codec, name="h")
@@ -227,11 +232,11 @@ class HeadTrainer:
                 )
             )
 
-        msg = await runner.run(compute)
-        self._spawn(self._send_first(p, msg))
+        msg = await runner.compute(compute)
+        self.ctx.spawn(self._send_first(p, msg))
 
     async def _send_first(self, p: Pending, msg: Forward) -> None:
-        if not await self.node.send_to_stage(msg.target_stage, msg):
+        if not await self.hops.send_to_stage(msg.target_stage, msg):
             p.deadline_s = 0.0  # re-issue at once rather than wait out the deadline
             self._wake.set()
 
@@ -244,36 +249,30 @@ class HeadTrainer:
             if not self.pipeline_complete():
                 p.attempt -= 1  # a missing stage is not this microbatch's fault
             if p.attempt < self.train.max_attempts:
-                self.node.counters["microbatches_retried"] += 1
+                self.ctx.counters["microbatches_retried"] += 1
                 log.info("microbatch %s missed its deadline; re-issuing", mb_id)
-                self._spawn(self._issue((p.ids, p.labels), p.attempt + 1, p.seq, p.eval_result))
+                self.ctx.spawn(self._issue((p.ids, p.labels), p.attempt + 1, p.seq, p.eval_result))
             else:
-                self.node.counters["microbatches_dropped"] += 1
+                self.ctx.counters["microbatches_dropped"] += 1
                 log.warning("microbatch %s dropped after %d attempts", mb_id, p.attempt)
                 if p.eval_result is not None and not p.eval_result.done():
                     p.eval_result.set_exception(TimeoutError(f"eval microbatch {mb_id} dropped"))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        self.node.spawn(coro)
+    # ---- the jobs of a microbatch that came home ----------------------------------------
 
-    # ---- jobs the daemon queues when a microbatch comes home ----------------------------
-
-    def loss_job(self, msg: Forward, h: WireTensor) -> Callable[[], Awaitable[Any]]:
+    def forward_job(self, msg: Forward, h: WireTensor) -> Job:
         """Final hidden states arrived: loss, and for training the gradient sent back."""
-        p = self.pending.get(msg.mb_id)
-        if p is None:
-            from swarm.seams import Refused
-
-            raise Refused("stale_microbatch", f"{msg.mb_id} is no longer pending here", 410)
-        runner = self.node.runner
-        assert runner is not None
+        p = self._pending(msg.mb_id)
+        runner = self.runner
         codec = self.train.wire_codec
 
-        async def job() -> Callable[[], Awaitable[None]] | None:
+        async def job() -> Send | None:
             if p.eval_result is not None:
-                loss, _ = await runner.run(lambda: runner.head_loss(h.decode(), p.labels, False))
+                loss, _ = await runner.compute(
+                    lambda: runner.head_loss(h.decode(), p.labels, False)
+                )
                 if self.pending.pop(msg.mb_id, None) is not None:  # else its deadline counted it
-                    self.node.counters["microbatches_completed"] += 1
+                    self.ctx.counters["microbatches_completed"] += 1
                 if not p.eval_result.done():
                     p.eval_result.set_result(loss)
                 return None
@@ -288,38 +287,33 @@ class HeadTrainer:
                 )
                 return loss, prepare(back)
 
-            loss, back = await runner.run(compute)
+            loss, back = await runner.compute(compute)
             self._record_loss(loss)
             return lambda: self._send_back(p, back)
 
         return job
 
     async def _send_back(self, p: Pending, msg: Backward) -> None:
-        if not await self.node.send_to(msg.path[msg.index], msg):
+        if not await self.hops.send_to(msg.path[msg.index], msg):
             p.deadline_s = 0.0
             self._wake.set()
 
-    def backward_job(self, msg: Backward, g: WireTensor) -> Callable[[], Awaitable[None]]:
+    def backward_job(self, msg: Backward, g: WireTensor) -> Job:
         """The gradient reached the head again: backprop into the embedding; microbatch done.
 
         The microbatch stays pending until the embedding's backward has run, so it ends exactly
         once: completed here, or retried or dropped by its deadline when this backward is
         refused (a full queue) or fails.
         """
-        p = self.pending.get(msg.mb_id)
-        if p is None:
-            from swarm.seams import Refused
-
-            raise Refused("stale_microbatch", f"{msg.mb_id} is no longer pending here", 410)
-        runner = self.node.runner
-        assert runner is not None
+        p = self._pending(msg.mb_id)
+        runner = self.runner
 
         async def job() -> None:
             if self.pending.get(msg.mb_id) is not p:
                 return  # its deadline passed while queued: already counted as retried or dropped
             p.deadline_s = math.inf  # no re-issue while its gradient is being applied
             try:
-                await runner.run(lambda: runner.head_backward(p.ids, g.decode()))
+                await runner.compute(lambda: runner.head_backward(p.ids, g.decode()))
             except BaseException:
                 p.deadline_s = 0.0  # re-issue it instead
                 raise
@@ -328,14 +322,20 @@ class HeadTrainer:
             tokens = p.ids.numel()
             self.tokens += tokens
             self.window.add(time.monotonic(), tokens)
-            self.node.counters["microbatches_completed"] += 1
+            self.ctx.counters["microbatches_completed"] += 1
             self._wake.set()
 
         return job
 
+    def _pending(self, mb_id: str) -> Pending:
+        p = self.pending.get(mb_id)
+        if p is None:
+            raise Refused("stale_microbatch", f"{mb_id} is no longer pending here", 410)
+        return p
+
     def _record_loss(self, loss: float) -> None:
         if not math.isfinite(loss):
-            self.node.counters["non_finite_loss"] += 1
+            self.ctx.counters["non_finite_loss"] += 1
             log.warning("non-finite training loss %s", loss)
             return
         self.last_loss = loss
@@ -354,9 +354,8 @@ class HeadTrainer:
             limit_s = self.train.microbatch_deadline_s * self.train.max_attempts + 5.0
             losses = await asyncio.wait_for(asyncio.gather(*futures), timeout=limit_s)
             loss = float(sum(losses) / len(losses))
-            runner = self.node.runner
             elapsed = time.monotonic() - self.started_s if self.started_s else 0.0
-            self.evals.append(EvalPoint(runner.step if runner else 0, round(elapsed, 2), loss))
+            self.evals.append(EvalPoint(self.runner.step, round(elapsed, 2), loss))
             log.info("eval loss %.4f at step %d", loss, self.evals[-1].step)
             return loss
 

@@ -22,25 +22,24 @@ code                        status  when
 
 The daemon counts every refusal as ``rejected_<code>`` and logs it rate-limited. Frame
 and message faults (``protocol.errors``), shapes, dtypes, stages and NaN in activations
-(``node.daemon``) and the queue bounds (``busy``, ``overloaded``) are refused elsewhere.
+(``node.server``) and the queue bounds (``busy``, ``overloaded``) are refused elsewhere.
 
-``ban`` quarantines a peer whose weights were refused (gossip partner or recovery source):
-it is counted (``weights_refused:<source>:<reason>``, ``peers_banned``), logged, and its
-requests are refused with ``banned`` for ``net.ban_s``.
+``screen`` puts a peer's weights (a gossip partner's offer, a state or rebuild source)
+through a ``swarm.screen.WeightScreen``; ``ban`` quarantines a peer whose weights were
+refused: it is counted (``weights_refused:<source>:<reason>``, ``peers_banned``), logged,
+and its requests are refused with ``banned`` for ``net.ban_s``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+from node.context import NodeContext
 from protocol.auth import claimed_sender
 from protocol.messages import Backward, Forward, GossipRequest, HeadBackup, Message, Rollback
 from swarm.admission import RecentIds, TokenBuckets
+from swarm.screen import WeightScreen
 from swarm.seams import Refused
-
-if TYPE_CHECKING:
-    from node.daemon import Node
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +53,26 @@ _NEEDS_KNOWN = (Forward, Backward, GossipRequest, HeadBackup, Rollback)
 class RequestGuard:
     """Admission checks and bans for one node."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        net = node.config.net
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        net = ctx.config.net
         self.net = net
         self.buckets = TokenBuckets(net.rate_limit_per_s, net.rate_limit_burst)
         self.seen = RecentIds()
 
     def admit(self, msg: Message, peer_host: str) -> None:
         """Refuse ``msg`` (``Refused``) unless its sender may send it now and it is new."""
-        node = self.node
-        now = node.clock.now()
+        ctx = self.ctx
+        now = ctx.clock.now()
         sender = claimed_sender(msg)
-        if sender is not None and node.router.is_quarantined(sender, now):
+        if sender is not None and ctx.router.is_quarantined(sender, now):
             raise Refused("banned", f"peer {sender[:16]} is banned from this node", 403)
         if (
             self.net.refuse_unknown_peers
             and isinstance(msg, _NEEDS_KNOWN)
             and sender is not None
-            and sender != node.peer_id
-            and sender not in node.table
+            and sender != ctx.peer_id
+            and sender not in ctx.table
         ):
             raise Refused(
                 "unknown_peer",
@@ -91,21 +90,21 @@ class RequestGuard:
             self._check_microbatch(msg)
 
     def _check_microbatch(self, msg: Forward | Backward) -> None:
-        node = self.node
+        num_stages = self.ctx.num_stages
         if not 0 < len(msg.mb_id) <= MAX_MB_ID_CHARS:
             raise Refused(
                 "bad_microbatch_id",
                 f"microbatch id of {len(msg.mb_id)} characters (1..{MAX_MB_ID_CHARS} allowed)",
                 400,
             )
-        if len(msg.path) > node.num_stages:
+        if len(msg.path) > num_stages:
             raise Refused(
                 "bad_path",
-                f"path of {len(msg.path)} hops in a {node.num_stages}-stage pipeline",
+                f"path of {len(msg.path)} hops in a {num_stages}-stage pipeline",
                 400,
             )
-        home = isinstance(msg, Forward) and msg.target_stage == 0 == node.stage
-        if home and msg.path and msg.path[0].peer_id != node.peer_id:
+        home = isinstance(msg, Forward) and msg.target_stage == 0 == self.ctx.stage
+        if home and msg.path and msg.path[0].peer_id != self.ctx.peer_id:
             raise Refused(
                 "not_on_path", f"microbatch {msg.mb_id[:32]} was not issued by this node", 400
             )
@@ -120,13 +119,29 @@ class RequestGuard:
         """Remember a microbatch hop that was queued, so a copy of it is refused."""
         self.seen.add((msg.TYPE, msg.mb_id))
 
+    def screen(
+        self,
+        screen: WeightScreen,
+        peer_id: str,
+        source: str,
+        distance: float,
+        scale: float,
+        movement: float = 0.0,
+    ) -> bool:
+        """Whether ``peer_id``'s weights, ``distance`` from ours (``swarm.screen``), may be
+        used; if not, the peer is banned (``source``: gossip or recovery)."""
+        reason = screen.judge(distance, scale, movement)
+        if reason is not None:
+            self.ban(peer_id, source, reason, screen.describe(distance, scale, movement))
+        return reason is None
+
     def ban(self, peer_id: str, source: str, reason: str, detail: str) -> None:
         """Quarantine ``peer_id`` whose weights ``source`` (gossip, recovery) refused."""
-        node = self.node
-        node.counters[f"weights_refused:{source}:{reason}"] += 1
-        if not node.router.is_quarantined(peer_id, node.clock.now()):
-            node.counters["peers_banned"] += 1
-        node.router.quarantine(peer_id, node.clock.now(), self.net.ban_s)
+        ctx = self.ctx
+        ctx.counters[f"weights_refused:{source}:{reason}"] += 1
+        if not ctx.router.is_quarantined(peer_id, ctx.clock.now()):
+            ctx.counters["peers_banned"] += 1
+        ctx.router.quarantine(peer_id, ctx.clock.now(), self.net.ban_s)
         log.warning(
             "refused %s weights from %s (%s: %s); banned for %.0fs",
             source,

@@ -22,9 +22,8 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
   restarts it tells every peer to roll back to its own last save.
 
 Every source's weights (a replica copied at join, the neighbours a rebuild averages, a head
-backup) pass ``swarm.screen`` first: non-finite ones, or ones further from this replica's
-current weights than ``recovery.screen_multiple`` times their RMS, are refused, the source
-banned (``node.services.guard``) and the next one tried.
+backup) are fetched and screened by ``node.services.statefetch``: a refused source is banned
+and the next one tried.
 
 Keeps the counts ``node status`` and the metrics show: recoveries by kind, seconds from the
 stage being seen empty to the node serving it, and the source stages used.
@@ -37,20 +36,19 @@ import logging
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from node.context import NodeContext
+from node.services.statefetch import StateFetcher
 from node.stage.checkpoint import load_checkpoint, save_checkpoint
-from protocol.messages import FetchState, HeadBackup, PeerRecord, Rollback, StageState, expect
+from node.stage.runner import as_state, params_of
+from protocol.messages import HeadBackup, PeerRecord, Rollback, StageState
 from swarm.recovery import RecoveryPlan, choose_mover, plan_recovery, random_seed, weighted_average
-from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused, TransportError
-
-if TYPE_CHECKING:
-    from node.daemon import Node
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +56,21 @@ log = logging.getLogger(__name__)
 class RecoveryService:
     """Watches for empty stages and rebuilds the one this node takes over."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.config = node.config.recovery
+    def __init__(
+        self,
+        ctx: NodeContext,
+        *,
+        states: StateFetcher,
+        record: Callable[[], PeerRecord],
+        move_to: Callable[[int], Awaitable[None]],
+    ) -> None:
+        """``record()``: this node as peers see it; ``move_to(stage)``: leave this stage
+        for another (the daemon's)."""
+        self.ctx = ctx
+        self.states = states
+        self.record = record
+        self.move_to = move_to
+        self.config = ctx.config.recovery
         self.empty_since: dict[int, float] = {}
         self.recoveries: Counter[str] = Counter()
         self.seconds_sum = 0.0
@@ -71,21 +81,8 @@ class RecoveryService:
         self._last_save_step = 0
         self._busy = False
         self.checkpoint_dir = self.config.checkpoint_dir or str(
-            Path(tempfile.gettempdir()) / f"murmuration-checkpoints-{node.config.swarm.name}"
+            Path(tempfile.gettempdir()) / f"murmuration-checkpoints-{ctx.config.swarm.name}"
         )
-
-    async def screen_source(self, peer_id: str, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """Whether the weights in ``tensors`` (``param.*`` entries) may be used; if not, the
-        source is banned. ``ValueError`` when they do not fit this stage at all."""
-        runner = self.node.runner
-        assert runner is not None
-        params = _params(tensors)
-        distance, scale = await runner.run(runner.distance_to, params)
-        screen = WeightScreen(ScreenConfig(multiple=self.config.screen_multiple, warmup=1))
-        reason = screen.judge(distance, scale)
-        if reason is not None:
-            self.node.guard.ban(peer_id, "recovery", reason, screen.describe(distance, scale))
-        return reason is None
 
     @property
     def head_backup_step(self) -> int:
@@ -93,56 +90,50 @@ class RecoveryService:
 
     def poll(self) -> None:
         """After each job: save a checkpoint or send a head backup when one is due."""
-        node, runner = self.node, self.node.runner
-        if runner is None or not node.ready or node.leaving or self._busy:
+        ctx, runner = self.ctx, self.ctx.state.runner
+        if runner is None or not ctx.state.serving or self._busy:
             return
         if (
             self.config.method == "checkpoint"
             and runner.step >= self._last_save_step + self.config.checkpoint_every
         ):
             self._busy, self._last_save_step = True, runner.step
-            node.spawn(self._save())
+            ctx.spawn(self._save())
         elif (
             self.config.method == "checkfree+"
-            and node.stage == 0
+            and ctx.stage == 0
             and runner.step >= self._last_backup_step + self.config.head_backup_every
         ):
             self._busy, self._last_backup_step = True, runner.step
-            node.spawn(self._send_head_backup())
+            ctx.spawn(self._send_head_backup())
 
     async def _save(self) -> None:
-        runner = self.node.runner
-        assert runner is not None
+        runner = self.ctx.state.the_runner()
         try:
-            tensors, step, samples = await runner.run(runner.snapshot)
-            await runner.run(
-                save_checkpoint, self.checkpoint_dir, self.node.stage, tensors, step, samples
+            tensors, step, samples = await runner.compute(runner.snapshot)
+            await runner.compute(
+                save_checkpoint, self.checkpoint_dir, runner.stage, tensors, step, samples
             )
         finally:
             self._busy = False
 
     async def _send_head_backup(self) -> None:
-        runner = self.node.runner
-        assert runner is not None
+        runner = self.ctx.state.the_runner()
         try:
-            params = await runner.run(runner.params)
-            msg = HeadBackup(
-                step=runner.step,
-                sender=self.node.peer_id,
-                tensors={f"param.{k}": v for k, v in params.items()},
-            )
-            for peer in self.node.table.replicas(1)[:2]:
+            params = await runner.compute(runner.params)
+            msg = HeadBackup(step=runner.step, sender=self.ctx.peer_id, tensors=as_state(params))
+            for peer in self.ctx.table.replicas(1)[:2]:
                 try:
-                    await self.node.link.request(peer.address, msg, 30.0, peer.peer_id)
+                    await self.ctx.transport.request(peer.address, msg, 30.0, peer.peer_id)
                 except TransportError as e:
                     log.warning("head backup to %s failed: %s", peer.peer_id[:8], e)
         finally:
             self._busy = False
 
     def on_head_backup(self, msg: HeadBackup) -> None:
-        if self.node.stage != 1:
+        if self.ctx.stage != 1:
             raise Refused("wrong_stage", "head backups are kept by stage-1 replicas")
-        sender = self.node.table.get(msg.sender)
+        sender = self.ctx.table.get(msg.sender)
         if sender is not None and sender.stage != 0:  # unknown senders the guard refused
             raise Refused(
                 "wrong_stage",
@@ -153,14 +144,14 @@ class RecoveryService:
 
     async def on_rollback(self, msg: Rollback) -> None:
         """Checkpoint-restart: another stage restarted from its save; go back to ours."""
-        runner = self.node.runner
+        runner = self.ctx.state.runner
         if self.config.method != "checkpoint" or runner is None:
             raise Refused("no_checkpoints", "this node does not use checkpoint-restart")
-        saved = await runner.run(load_checkpoint, self.checkpoint_dir, self.node.stage)
+        saved = await runner.compute(load_checkpoint, self.checkpoint_dir, runner.stage)
         if saved is None:
             return
         tensors, step, samples = saved
-        await runner.run(runner.load, tensors, step, samples)
+        await runner.compute(runner.load, tensors, step, samples)
         self.recoveries["rollback"] += 1
         log.warning(
             "rolled back to the step-%d checkpoint (stage %d restarted at step %d)",
@@ -173,26 +164,27 @@ class RecoveryService:
         """Ready replicas per stage, this node included when it serves; peers that just
         failed to answer (banned by the router) do not count: they are probably dead but
         not yet expired from the table."""
-        node = self.node
-        now = node.clock.now()
-        banned = {pid for pid, st in node.router.stats.items() if st.banned_until > now}
+        ctx = self.ctx
+        now = ctx.clock.now()
+        banned = {pid for pid, st in ctx.router.stats.items() if st.banned_until > now}
         live = {
-            s: [r for r in node.table.replicas(s) if r.peer_id not in banned]
-            for s in range(node.num_stages)
+            s: [r for r in ctx.table.replicas(s) if r.peer_id not in banned]
+            for s in range(ctx.num_stages)
         }
-        if node.ready and not node.leaving and node.stage >= 0:
-            live[node.stage].append(node.record())
+        if ctx.state.serving and ctx.stage >= 0:
+            live[ctx.stage].append(self.record())
         return live
 
     async def run(self) -> None:
+        """Watch for empty stages every second, until cancelled."""
         while True:
             await asyncio.sleep(1.0)
             await self.check()
 
     async def check(self) -> None:
         """Note empty stages; move there if this node is the one that should."""
-        node = self.node
-        if not node.ready or node.leaving:
+        ctx = self.ctx
+        if not ctx.state.serving:
             return
         now = time.monotonic()
         live = self.live()
@@ -203,61 +195,59 @@ class RecoveryService:
                 self.empty_since[stage] = now
                 log.warning("stage %d has no live replica", stage)
         for stage, since in sorted(self.empty_since.items()):
-            if stage == 0 or node.stage == 0 or now - since < self.config.refill_wait_s:
+            if stage == 0 or ctx.stage == 0 or now - since < self.config.refill_wait_s:
                 continue  # the head stage is refilled by joining head nodes (it has no neighbours)
-            if choose_mover(stage, node.record(), live):
+            if choose_mover(stage, self.record(), live):
                 log.warning(
                     "stage %d empty for %.0fs: moving there from stage %d",
                     stage,
                     now - since,
-                    node.stage,
+                    ctx.stage,
                 )
-                await node.move_to(stage)
+                await self.move_to(stage)
                 return
 
     async def rebuild(self, stage: int) -> RecoveryPlan:
         """Load ``stage``'s weights into the (new) runner following the recovery plan."""
-        node = self.node
-        runner = node.runner
-        assert runner is not None
+        ctx = self.ctx
+        runner = ctx.state.the_runner()
         t_empty = self.empty_since.get(stage, time.monotonic())
         plan = plan_recovery(
-            stage, node.config.swarm.num_block_stages, self.live(), self.config.method
+            stage, ctx.config.swarm.num_block_stages, self.live(), self.config.method
         )
         if plan.kind == "copy":
             return plan  # the daemon copies a live replica itself
         if plan.kind == "seed":
             pass  # nothing to rebuild from: the swarm's initial weights stay
         elif plan.kind == "random":
-            seed = random_seed(node.rng)
-            await runner.run(runner.reinitialise, seed, self.config.lr_scale)
+            seed = random_seed(ctx.rng)
+            await runner.compute(runner.reinitialise, seed, self.config.lr_scale)
         elif plan.kind == "checkpoint":
-            saved = await runner.run(load_checkpoint, self.checkpoint_dir, stage)
+            saved = await runner.compute(load_checkpoint, self.checkpoint_dir, stage)
             if saved is None:
                 plan = RecoveryPlan(stage, "seed")  # no save yet: the swarm's initial weights
                 saved = ({}, 0, 0)
             tensors, step, samples = saved
             if tensors:
-                await runner.run(runner.load, tensors, step, samples)
+                await runner.compute(runner.load, tensors, step, samples)
                 await self._broadcast_rollback(stage, step)
         elif plan.kind == "head_copy":
             holder = max(
                 (r for rs in self.live().values() for r in rs if r.head_backup_step > 0),
                 key=lambda r: r.head_backup_step,
             )
-            state = expect(
-                await node.link.request(holder.address, FetchState(stage=0), 60.0, holder.peer_id),
-                StageState,
-            )
-            if await self.screen_source(holder.peer_id, state.tensors):
-                await runner.run(runner.adopt_weights, _params(state.tensors), self.config.lr_scale)
+            state = await self.states.fetch_from(holder.address, holder.peer_id, 0)
+            if await self.states.screened(holder.peer_id, state.tensors):
+                await runner.compute(
+                    runner.adopt_weights, params_of(state.tensors), self.config.lr_scale
+                )
             else:  # a poisoned backup (its holder is banned now): the initial weights it is
                 plan = RecoveryPlan(stage, "seed")
         else:
             states = [await self._fetch_params(src.stage) for src in plan.sources]
             weights = [src.weight for src in plan.sources]
-            merged = await runner.run(weighted_average, states, weights)
-            await runner.run(runner.adopt_weights, merged, self.config.lr_scale)
+            merged = await runner.compute(weighted_average, states, weights)
+            await runner.compute(runner.adopt_weights, merged, self.config.lr_scale)
         seconds = time.monotonic() - t_empty
         self.recoveries[plan.kind] += 1
         self.seconds_sum += seconds
@@ -278,34 +268,22 @@ class RecoveryService:
         return plan
 
     async def _broadcast_rollback(self, stage: int, step: int) -> None:
-        msg = Rollback(stage=stage, step=step, sender=self.node.peer_id)
+        msg = Rollback(stage=stage, step=step, sender=self.ctx.peer_id)
 
         async def tell(peer: PeerRecord) -> None:
             try:
-                await self.node.link.request(peer.address, msg, 30.0, peer.peer_id)
+                await self.ctx.transport.request(peer.address, msg, 30.0, peer.peer_id)
             except TransportError as e:
                 log.warning("rollback request to %s failed: %s", peer.peer_id[:8], e)
 
-        await asyncio.gather(*(tell(p) for p in self.node.table.records()))
+        await asyncio.gather(*(tell(p) for p in self.ctx.table.records()))
 
     async def _fetch_params(self, stage: int) -> dict[str, torch.Tensor]:
         """Weights of the most advanced live replica of ``stage`` that answers."""
-        now = self.node.clock.now()
-        for peer in sorted(self.node.table.replicas(stage), key=lambda p: -p.step):
-            if self.node.router.is_quarantined(peer.peer_id, now):
-                continue
-            try:
-                reply = await self.node.link.request(
-                    peer.address, FetchState(stage=stage), 60.0, peer.peer_id
-                )
-                state = expect(reply, StageState)
-                if not await self.screen_source(peer.peer_id, state.tensors):
-                    continue
-            except (TransportError, ValueError) as e:
-                log.warning("fetching stage %d from %s failed: %s", stage, peer.peer_id[:8], e)
-                continue
-            return _params(state.tensors)
-        raise RuntimeError(f"no replica of stage {stage} answered")
+        state: StageState | None = await self.states.fetch(stage)
+        if state is None:
+            raise RuntimeError(f"no replica of stage {stage} answered")
+        return params_of(state.tensors)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -317,8 +295,3 @@ class RecoveryService:
             "empty_stages": sorted(self.empty_since),
             "head_backup_step": self.head_backup_step,
         }
-
-
-def _params(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights in a ``StageState``'s tensors, named as the stage module names them."""
-    return {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}

@@ -1,5 +1,8 @@
 """Outer synchronisation of a stage's replicas, as the daemon runs it.
 
+NoLoCo (arXiv 2506.10911), DiLoCo (arXiv 2311.08105) or plain data parallelism; the update
+rules are ``swarm.outer``'s, the rules in words in ``docs/algorithms.md``.
+
 Owns the glue between the runner (which holds its optimizer steps when a round is due,
 while forward and backward keep flowing) and the swarm services that move the bytes:
 ``swarm.gossip`` for NoLoCo, ``swarm.allreduce`` for DiLoCo and data parallel. A round's
@@ -18,20 +21,19 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from node.config import SyncConfig
-from node.stage.runner import Offer
+from node.context import NodeContext
+from node.services.guard import RequestGuard
+from node.stage.runner import Offer, StageRunner
 from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
-
-if TYPE_CHECKING:
-    from node.daemon import Node
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +56,12 @@ def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 class StageSync:
     """Runs outer rounds for this node's stage replica."""
 
-    def __init__(self, node: Node) -> None:
-        assert node.runner is not None
-        self.node = node
-        self.runner = node.runner
-        self.config = node.config.sync
+    def __init__(self, ctx: NodeContext, runner: StageRunner, guard: RequestGuard) -> None:
+        self.ctx = ctx
+        self.runner = runner
+        self.guard = guard
+        self.stage = runner.stage
+        self.config = ctx.config.sync
         self.method = self.config.method
         self.rounds: Counter[str] = Counter()
         self.seconds_sum = 0.0
@@ -70,7 +73,8 @@ class StageSync:
         self.spread_count = 0
         self.spread_history: deque[tuple[int, float]] = deque(maxlen=256)
         self.last_partner: str | None = None
-        self._running = False
+        self.running = False
+        """A round is in progress (a stage move waits for it)."""
         self.gossip = GossipService(
             GossipConfig(
                 request_timeout_s=self.config.request_timeout_s,
@@ -78,32 +82,31 @@ class StageSync:
                 round_deadline_s=self.config.round_deadline_s,
                 listen_s=self.config.listen_s,
             ),
-            transport=node.link,
-            clock=node.clock,
-            rng=node.rng,
-            self_id=node.peer_id,
-            stage=node.stage,
+            transport=ctx.transport,
+            clock=ctx.clock,
+            rng=ctx.rng,
+            self_id=ctx.peer_id,
+            stage=self.stage,
             replicas=self._partners,
-            introduce=node.membership.contact,
         )
         self.screen = weight_screen(self.config)
         self.ring = RingAllReduce(
-            node.link,
-            node.clock,
-            node.peer_id,
+            ctx.transport,
+            ctx.clock,
+            ctx.peer_id,
             codec=self.config.codec,
             step_timeout_s=self.config.ring_step_timeout_s,
             max_held_bytes=self.config.ring_inbox_bytes,
-            compute=self.runner.run,
+            compute=runner.compute,
         )
 
     def _partners(self) -> list[PeerRecord]:
         """Live replicas of our stage that gossip may pair with: banned ones are skipped."""
-        now = self.node.clock.now()
+        now = self.ctx.clock.now()
         return [
             p
-            for p in self.node.table.replicas(self.node.stage)
-            if not self.node.router.is_quarantined(p.peer_id, now)
+            for p in self.ctx.table.replicas(self.stage)
+            if not self.ctx.router.is_quarantined(p.peer_id, now)
         ]
 
     # ---- incoming -----------------------------------------------------------------------
@@ -119,17 +122,17 @@ class StageSync:
         kind, stage, number = _parse_round_id(chunk.round_id)
         if kind not in ("diloco", "dp") or not number.isdigit() or len(number) > 18:
             raise Refused("bad_round_id", f"ring round id {chunk.round_id[:64]!r}", 400)
-        if stage != str(self.node.stage):
-            raise Refused("wrong_stage", f"ring round of stage {stage[:8]}, not {self.node.stage}")
+        if stage != str(self.stage):
+            raise Refused("wrong_stage", f"ring round of stage {stage[:8]}, not {self.stage}")
         self.ring.deliver(chunk)
 
     # ---- rounds -------------------------------------------------------------------------
 
     def poll(self) -> None:
         """Start a round if the runner has one due and none is running."""
-        if self.runner.sync_due is not None and not self._running and not self.node.leaving:
-            self._running = True
-            self.node.spawn(self._round(self.runner.sync_due))
+        if self.runner.sync_due is not None and not self.running and not self.ctx.state.leaving:
+            self.running = True
+            self.ctx.spawn(self._round(self.runner.sync_due))
 
     async def _round(self, kind: str) -> None:
         t0 = time.monotonic()
@@ -146,13 +149,13 @@ class StageSync:
         finally:
             self.seconds_sum += time.monotonic() - t0
             self.seconds_count += 1
-            await self.runner.run(self.runner.finish_sync, kind == "outer")
-            self._running = False
+            await self.runner.compute(self.runner.finish_sync, kind == "outer")
+            self.running = False
         self.poll()
 
     async def _noloco(self) -> None:
         round_ = self.runner.outer_rounds
-        tensors, meta = await self.runner.run(self.runner.outer_contribution, self.config.codec)
+        tensors, meta = await self.runner.compute(self.runner.outer_contribution, self.config.codec)
         outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
         self.bytes_sent += _nbytes(tensors) * outcome.num_attempts
         offer = None
@@ -162,7 +165,7 @@ class StageSync:
             if offer is None:
                 self.rounds["rejected"] += 1
                 outcome.partner_id = None
-        spread = await self.runner.run(self.runner.apply_noloco, offer)
+        spread = await self.runner.compute(self.runner.apply_noloco, offer)
         if spread is not None:
             self.spread_rms, self.last_partner = spread, outcome.partner_id
             self.spread_sum += spread
@@ -183,24 +186,22 @@ class StageSync:
     async def _screened(self, partner_id: str, contribution: Contribution) -> Offer | None:
         """The partner's offer if it passes the screen; else None, and the partner is banned."""
         try:
-            offer = await self.runner.run(
+            offer = await self.runner.compute(
                 self.runner.decode_offer, (contribution.tensors, contribution.meta)
             )
         except ValueError as e:  # malformed, or does not fit this stage
-            self.node.guard.ban(partner_id, "gossip", "malformed", str(e))
+            self.guard.ban(partner_id, "gossip", "malformed", str(e))
             return None
-        reason = self.screen.judge(offer.distance, offer.scale, offer.movement)
-        if reason is not None:
-            detail = self.screen.describe(offer.distance, offer.scale, offer.movement)
-            self.node.guard.ban(partner_id, "gossip", reason, detail)
+        screen = self.screen
+        if not self.guard.screen(
+            screen, partner_id, "gossip", offer.distance, offer.scale, offer.movement
+        ):
             return None
         return offer
 
     def members(self) -> list[Hop]:
-        me = Hop(self.node.stage, self.node.peer_id, self.node.address)
-        peers = [
-            Hop(p.stage, p.peer_id, p.address) for p in self.node.table.replicas(self.node.stage)
-        ]
+        me = Hop(self.stage, self.ctx.peer_id, self.ctx.state.address)
+        peers = [Hop(p.stage, p.peer_id, p.address) for p in self.ctx.table.replicas(self.stage)]
         return sorted([me, *peers], key=lambda h: h.peer_id)
 
     async def _ring_mean(self, round_id: str, flat: torch.Tensor) -> torch.Tensor:
@@ -224,16 +225,16 @@ class StageSync:
             self.bytes_received += self.ring.bytes_received - recv0
 
     async def _diloco(self) -> None:
-        round_id = f"diloco:{self.node.stage}:{self.runner.outer_rounds}"
-        delta = await self.runner.run(self.runner.outer_delta)
+        round_id = f"diloco:{self.stage}:{self.runner.outer_rounds}"
+        delta = await self.runner.compute(self.runner.outer_delta)
         mean = await self._ring_mean(round_id, delta)
-        await self.runner.run(self.runner.apply_diloco, mean)
+        await self.runner.compute(self.runner.apply_diloco, mean)
 
     async def _allreduce_grads(self) -> None:
         grads = self.runner.pending_grads
         assert grads is not None
-        mean = await self._ring_mean(f"dp:{self.node.stage}:{self.runner.step}", grads)
-        await self.runner.run(self.runner.apply_grads, mean)
+        mean = await self._ring_mean(f"dp:{self.stage}:{self.runner.step}", grads)
+        await self.runner.compute(self.runner.apply_grads, mean)
 
     def forget_stale_rounds(self) -> None:
         """Drop ring mailboxes of rounds this replica has passed (late or foreign chunks)."""
@@ -258,7 +259,7 @@ class StageSync:
             "spread_rms_mean": self.spread_sum / self.spread_count if self.spread_count else None,
             "spread_history": list(self.spread_history),
             "last_partner": self.last_partner,
-            "in_progress": self._running,
+            "in_progress": self.running,
             "typical_distance": self.screen.typical(),
         }
 

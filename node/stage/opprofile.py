@@ -138,10 +138,10 @@ async def profile_compute(runner: StageRunner, seconds: float) -> dict[str, Any]
     meanwhile (its node moved to another stage)."""
     prof = OpProfile()
     samples0 = runner.samples
-    await runner.run(prof.start)
+    await runner.compute(prof.start)
     try:
         await asyncio.sleep(seconds)
     finally:  # also when cancelled: the profiler must not outlive the request
-        summary = await asyncio.shield(runner.run(prof.stop))
+        summary = await asyncio.shield(runner.compute(prof.stop))
     summary["samples"] = runner.samples - samples0
     return summary

@@ -1,18 +1,12 @@
 """The stage runner: this node's slice of the model and every piece of torch work on it.
 
 Owns the stage module, its inner optimizer (Adam, global-norm clipping, linear warm-up then
-cosine decay), the activations saved between a microbatch's forward and backward, and the
-single compute thread. Every public ``async`` method hops onto that thread, so the event loop
-never runs torch code and torch never sees two threads.
+cosine decay), the activations saved between a microbatch's forward and backward (with the
+weights they were made with: ``node.stage.stash``), the outer optimizer's state (NoLoCo's and
+DiLoCo's slow weights and momentum, ``swarm.outer``), state transfer, and the single compute
+thread. ``compute`` runs a function on that thread, so the event loop never runs torch code
+and torch never sees two threads.
 
-Asynchronous pipelines step the optimizer while other microbatches are still in flight
-(SWARM, arXiv 2301.11913, section 3). A saved autograd graph is only valid for the weights
-it was built with, so the runner stashes them (PipeDream's weight stashing, arXiv
-1806.03377, section 3.3): the forward's graph refers to parameters through
-``saved_tensors_hooks``, and before any change to the weights (an optimizer or outer step,
-adopted weights) that a live graph still refers to, their storage is copied once. A
-backward then uses its own forward's weights, as the stages downstream did, and costs no
-recomputation.
 Gradients from every microbatch are accumulated until ``step_samples`` samples, averaged
 per microbatch, clipped to ``clip_norm`` and applied.
 
@@ -34,8 +28,8 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
-from node.services.balance import compute_delay
 from node.stage.model import BlockStage, HeadStage, build_stage
+from node.stage.stash import WeightStash
 from protocol.quant import decode_tensor, encode_tensor
 from swarm.outer import (
     DiLoCoConfig,
@@ -61,6 +55,22 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+PARAM_PREFIX = "param."
+"""Weights in a stage's state tensors are named ``param.<name in the stage module>``."""
+
+
+def params_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights among a stage state's tensors, named as the stage module names them."""
+    return {
+        k.removeprefix(PARAM_PREFIX): v for k, v in tensors.items() if k.startswith(PARAM_PREFIX)
+    }
+
+
+def as_state(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights named as the stage module names them, as a stage state's tensors."""
+    return {f"{PARAM_PREFIX}{k}": v for k, v in params.items()}
+
+
 @dataclass
 class _Saved:
     """What a block stage keeps of one microbatch until its gradient comes back."""
@@ -68,19 +78,8 @@ class _Saved:
     x: torch.Tensor
     out: torch.Tensor
     epoch: int
-    """The weights' epoch the graph was built with (see ``StageRunner._weights_change``)."""
+    """The weights' epoch the graph was built with (``node.stage.stash``)."""
     created_s: float
-
-
-@dataclass(frozen=True)
-class _ParamRef:
-    """A saved tensor that lives in a parameter's storage, as the forward's graph keeps it."""
-
-    tensor: torch.Tensor
-    storage: int
-    view: tuple[int, tuple[int, ...], tuple[int, ...]]
-    """Offset, size and stride in that storage, as at the forward (``.data`` may be swapped)."""
-    epoch: int
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ class Offer:
 
 @dataclass
 class Thermometers:
-    """YaLM-style health readings of this stage (ALGORITHMS.md section 8)."""
+    """YaLM-100B's "thermometers" of this stage: a runaway maximum precedes divergence."""
 
     act_max: float = 0.0
     act_min: float = 0.0
@@ -136,22 +135,19 @@ class StageRunner:
         self.anchor = torch.empty(0)
         self.outer_m = torch.empty(0)
         self._saved: dict[str, _Saved] = {}
-        self._epoch = 0
-        self._stash: dict[int, dict[int, torch.UntypedStorage]] = {}
-        """Per weights' epoch still used by a saved graph: copies of the parameter storages."""
-        self._param_storages: set[int] = set()
+        self.stash = WeightStash()
         self.thermo = Thermometers()
-        self.delay_s = compute_delay(config, stage)
+        self.delay_s = config.train.delay_on(stage)
         self.compute_s = 0.0
         self._recent_samples = 0.0
         self._recent_s = 0.0
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def start(self) -> None:
-        await self.run(self._build)
+        await self.compute(self._build)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -161,10 +157,17 @@ class StageRunner:
         c = self.config
         self.module = build_stage(c.model, c.swarm.num_block_stages, self.stage, c.swarm.seed)
         self.module.to(self.device)
-        self.optimizer = torch.optim.Adam(
-            self.module.parameters(), lr=lr_at(0, self.train), betas=self.train.betas, eps=1e-8
-        )
+        self.optimizer = self._new_optimizer()
         self._init_outer()
+
+    def _new_optimizer(self) -> torch.optim.Adam:
+        """A fresh inner Adam at the scheduled learning rate of the current step."""
+        return torch.optim.Adam(
+            self.module.parameters(),
+            lr=lr_at(self.step, self.train),
+            betas=self.train.betas,
+            eps=1e-8,
+        )
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.train.compute_dtype == "bfloat16":
@@ -185,13 +188,9 @@ class StageRunner:
                 out = self.module(x).float()
         else:
             x.requires_grad_(True)
-            self._param_storages = {
-                p.untyped_storage().data_ptr() for p in self.module.parameters()
-            }
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            with self._autocast(), hooks:
+            with self._autocast(), self.stash.hooks(self.module):
                 out = self.module(x).float()
-            self._saved[mb_id] = _Saved(x, out, self._epoch, time.monotonic())
+            self._saved[mb_id] = _Saved(x, out, self.stash.epoch, time.monotonic())
         self._observe_activations(out)
         self._account(t0, 0)
         return out.detach()
@@ -202,7 +201,7 @@ class StageRunner:
         saved = self._saved.pop(mb_id)
         x = saved.x
         saved.out.backward(grad_out.to(self.device, torch.float32))
-        self._drop_unused_stash()
+        self.stash.drop_unused(self._live_epochs)
         assert x.grad is not None
         self._accumulate(x.shape[0])
         self._account(t0, x.shape[0])
@@ -221,45 +220,17 @@ class StageRunner:
         old = [k for k, s in self._saved.items() if now - s.created_s > self.train.activation_ttl_s]
         for k in old:
             del self._saved[k]
-        self._drop_unused_stash()
+        self.stash.drop_unused(self._live_epochs)
         return len(old)
 
     # ---- weight stashing ----------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        """Saved-tensor hook: remember which weights' epoch a parameter (or a view) came from."""
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self._param_storages:
-            view = (int(t.storage_offset()), tuple(t.size()), tuple(t.stride()))
-            return _ParamRef(t, ptr, view, self._epoch)
-        return t
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        """The saved tensor as it was at the forward: from the stash if the weights changed."""
-        if not isinstance(packed, _ParamRef):
-            return packed
-        t = packed.tensor
-        if packed.epoch == self._epoch:
-            return t
-        storage = self._stash[packed.epoch][packed.storage]
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, *packed.view)
+    def _live_epochs(self) -> set[int]:
+        return {s.epoch for s in self._saved.values()}
 
     def _weights_change(self) -> None:
         """Call before changing the weights: stash them if a saved graph still refers to them."""
-        if any(s.epoch == self._epoch for s in self._saved.values()):
-            copies: dict[int, torch.UntypedStorage] = {}
-            for p in self.module.parameters():  # after an outer step they share one storage
-                ptr = p.untyped_storage().data_ptr()
-                if ptr not in copies:
-                    copies[ptr] = p.detach().untyped_storage().clone()
-            self._stash[self._epoch] = copies
-        self._epoch += 1
-
-    def _drop_unused_stash(self) -> None:
-        if self._stash:
-            live = {s.epoch for s in self._saved.values()}
-            for epoch in [e for e in self._stash if e not in live]:
-                del self._stash[epoch]
+        self.stash.change(self.module, self._live_epochs)
 
     # ---- the head stage -----------------------------------------------------------------
 
@@ -460,7 +431,7 @@ class StageRunner:
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], int, int]:
         """Weights and Adam moments as named CPU tensors, plus the step and sample counters."""
-        tensors = {f"param.{k}": v.detach().cpu() for k, v in self.module.state_dict().items()}
+        tensors = as_state({k: v.detach().cpu() for k, v in self.module.state_dict().items()})
         for name, p in self.module.named_parameters():
             state = self.optimizer.state.get(p)
             if state:
@@ -474,46 +445,41 @@ class StageRunner:
         """This stage's weights by name (CPU copies), what a recovering neighbour needs."""
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
-    def distance_to(self, params: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """RMS distance of ``params`` (named like ``params()``) to this stage's weights, and
-        the RMS of ours; NaN distance if any is not finite. ``ValueError`` if they do not fit."""
+    def _check_fits(self, params: Mapping[str, torch.Tensor], what: str, finite: bool) -> None:
+        """``ValueError`` unless ``params`` has this stage's parameter names and shapes (and,
+        with ``finite``, only finite values)."""
         own = self.module.state_dict()
         if params.keys() != own.keys():
-            raise ValueError(f"weights for stage {self.stage} have the wrong parameter names")
+            raise ValueError(f"{what} for stage {self.stage}: wrong parameter names")
+        for k, v in params.items():
+            if v.shape != own[k].shape:
+                raise ValueError(
+                    f"{what}: tensor {k} has shape {tuple(v.shape)}, not {tuple(own[k].shape)}"
+                )
+            if finite and not torch.isfinite(v).all():
+                raise ValueError(f"{what}: tensor {k} is not finite")
+
+    def distance_to(self, params: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        """RMS distance of ``params`` (named like ``params()``) to this stage's weights, and
+        the RMS of ours; NaN distance if any is not finite. ``ValueError`` if they do not fit."""
+        self._check_fits(params, "weights", finite=False)
         sq_dist = sq_own = 0.0
         numel = 0
-        for k, mine in own.items():
-            theirs = params[k]
-            if theirs.shape != mine.shape:
-                raise ValueError(
-                    f"tensor {k} has shape {tuple(theirs.shape)}, not {tuple(mine.shape)}"
-                )
+        for k, mine in self.module.state_dict().items():
             a = mine.detach().float()
-            b = theirs.detach().to(a.device, torch.float32)
+            b = params[k].detach().to(a.device, torch.float32)
             sq_dist += float(((b - a) ** 2).sum())
             sq_own += float((a**2).sum())
             numel += a.numel()
         n = max(1, numel)
         return math.sqrt(sq_dist / n), math.sqrt(sq_own / n)
 
-    def adopt_weights(self, params: dict[str, torch.Tensor], lr_scale: float) -> None:
+    def adopt_weights(self, params: Mapping[str, torch.Tensor], lr_scale: float) -> None:
         """Take rebuilt weights (CheckFree) with a fresh Adam at ``lr * lr_scale``."""
-        own = self.module.state_dict()
-        if params.keys() != own.keys():
-            raise ValueError(
-                f"rebuilt weights do not fit stage {self.stage}: parameter names differ"
-            )
-        for k, v in params.items():
-            if v.shape != own[k].shape or not torch.isfinite(v).all():
-                raise ValueError(f"rebuilt tensor {k} has the wrong shape or is not finite")
+        self._check_fits(params, "rebuilt weights", finite=True)
         self._weights_change()
         self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
-        self.optimizer = torch.optim.Adam(
-            self.module.parameters(),
-            lr=lr_at(self.step, self.train),
-            betas=self.train.betas,
-            eps=1e-8,
-        )
+        self.optimizer = self._new_optimizer()
         self.lr_scale = lr_scale
         self._init_outer()
         self.optimizer.zero_grad(set_to_none=True)
@@ -527,17 +493,8 @@ class StageRunner:
 
     def load(self, tensors: Mapping[str, torch.Tensor], step: int, samples: int) -> None:
         """Adopt a live replica's state; ``ValueError`` if it does not fit this stage."""
-        own = self.module.state_dict()
-        params = {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}
-        if params.keys() != own.keys():
-            raise ValueError(f"state for stage {self.stage} has the wrong parameter names")
-        for k, v in params.items():
-            if v.shape != own[k].shape:
-                raise ValueError(
-                    f"state tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}"
-                )
-            if not torch.isfinite(v).all():
-                raise ValueError(f"state tensor {k} is not finite")
+        params = params_of(tensors)
+        self._check_fits(params, "state", finite=True)
         self._weights_change()
         self.module.load_state_dict({k: v.clone() for k, v in params.items()})
         for name, p in self.module.named_parameters():

@@ -1,0 +1,83 @@
+"""What ``node status`` and ``node profile`` print: a node's answers as text for a person.
+
+Owns the layout of those two commands' output; the data comes from the node as JSON
+(``node.client``). No I/O here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_status(st: dict[str, Any]) -> str:
+    role = "head" if st["stage"] == 0 else f"block stage {st['stage']}"
+    lines = [
+        f"node {st['peer_id']} at {st['address']}  swarm {st['swarm']} ({st['fingerprint']})",
+        f"  {role} of {st['num_stages']} stages, {'ready' if st['ready'] else 'joining'}"
+        f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
+        f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
+    ]
+    if st["stage"] == 0:
+        loss = "-" if st.get("loss") is None else f"{st['loss']:.3f}"
+        ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"
+        lines.append(
+            f"  loss {loss}, eval loss {ev}, {st['tokens']} tokens, {st['tokens_per_s']:.0f} tokens/s"
+        )
+    sync = st.get("sync")
+    if sync:
+        rounds = ", ".join(f"{k} {v}" for k, v in sorted(sync["rounds"].items())) or "none yet"
+        per = sync["seconds_sum"] / sync["seconds_count"] if sync["seconds_count"] else 0.0
+        spread = "-" if sync.get("spread_rms") is None else f"{sync['spread_rms']:.2e}"
+        lines.append(
+            f"  sync {sync['method']}: {sync['outer_steps']} outer steps ({rounds}), "
+            f"{per:.2f}s per round, spread to last partner {spread}, "
+            f"{sync['bytes_sent'] / 1e6:.1f} MB sent, {sync['bytes_received'] / 1e6:.1f} MB received"
+        )
+    bal = st.get("balance")
+    if bal:
+        plan = bal.get("plan")
+        lines.append(
+            f"  balance {bal['policy']}: own block speed {bal['own_block_rate']:.1f} samples/s, "
+            f"{'movable' if bal['movable'] else 'pinned'}, {bal['moves']} move(s)"
+            + (
+                f", planned: {plan['peer_id'][:8]} {plan['source']}->{plan['target']}"
+                if plan
+                else ""
+            )
+        )
+    lines.append("  peers:")
+    for stage, peers in sorted(st["peers"].items(), key=lambda kv: int(kv[0])):
+        if int(stage) < 0:
+            continue
+        total = sum(p["throughput"] for p in peers if p["ready"])
+        if int(stage) == st["stage"] and st["ready"]:
+            total += st["throughput"]
+        lines.append(
+            f"    stage {stage}: {len(peers)} peer(s), {total:.1f} samples/s in all"
+            + ("" if peers else "  <- none")
+        )
+        for p in peers:
+            lines.append(
+                f"      {p['peer_id']}  {p['address']:<21} step {p['step']:<6} "
+                f"{p['throughput']:>7.1f}/s  queue {p['queue']}  seen {p['age_s']:.1f}s ago"
+            )
+    return "\n".join(lines)
+
+
+def format_profile(p: dict[str, Any], top: int) -> str:
+    """A profile's summary: the compute thread's CPU by phase, then the costliest operators."""
+    cpu = p["thread_cpu_s"]
+    role = "head" if p["stage"] == 0 else f"block stage {p['stage']}"
+    lines = [
+        f"node {p['peer_id']}, {role}: {p['wall_s']:.1f}s profiled, {p['samples']} samples, "
+        f"compute thread {cpu:.2f}s CPU ({p['runqueue_wait_s']:.2f}s more waiting for a core)",
+    ]
+    for phase, s in p["phases_cpu_s"].items():
+        lines.append(f"  {phase:<18} {s:8.3f}s  {100 * s / cpu if cpu else 0:5.1f} %")
+    lines.append(f"  {'operator':<52} {'calls':>8} {'self CPU s':>11} {'share':>7}")
+    for op in p["ops"][:top]:
+        share = 100 * op["self_cpu_s"] / cpu if cpu else 0.0
+        lines.append(
+            f"  {op['op'][:52]:<52} {op['calls']:>8} {op['self_cpu_s']:>11.3f} {share:>6.1f}%"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""A microbatch between two nodes: the compute queue, and sending a hop to its next peer.
+
+Owns two things every stage role uses the same way:
+
+- ``WorkQueue``: the compute jobs this node accepted, run one at a time (backward before
+  loss before forward, so gradients are never stuck behind new work; SWARM, arXiv
+  2301.11913, section 3), bounded by jobs (``train.max_queue``, then ``busy``) and by the
+  tensor bytes they hold (``net.max_queued_bytes``, then ``overloaded``). A job computes on
+  the compute thread and returns the send to run after it; the send runs as a task of its
+  own, so it overlaps with the next computation.
+- ``HopSender``: a finished microbatch's way onward. ``send_to_stage`` draws a replica of
+  the next stage with the router (``swarm.routing``) and retries others when one fails or
+  is busy (``train.hop_retries``); ``send_to`` sends to one fixed peer (a microbatch's way
+  home, or a gradient's way back along its path). A send that no replica takes is counted
+  as a dropped hop; the head re-issues the microbatch when its deadline passes.
+
+Does not own what a job computes (``node.roles``) nor what the server accepts
+(``node.server``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from node.context import NodeContext
+from node.logs import RateLimitedLog
+from protocol.messages import Ack, Hop, Message, PeerRecord, expect
+from swarm.seams import Refused, TransportError
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[], Awaitable[object]]
+"""The network part of a job, run after its computation."""
+Job = Callable[[], Awaitable[Send | None]]
+"""A unit of queued work: computes, then returns the send to run after it (or None)."""
+
+PRIORITY = {"backward": 0, "loss": 1, "forward": 2}
+"""Job kinds, most urgent first."""
+
+
+class WorkQueue:
+    """This node's compute jobs, run one at a time in order of urgency."""
+
+    def __init__(self, ctx: NodeContext, after_job: Callable[[], None]) -> None:
+        """``after_job`` runs after every job (an outer round or a backup may be due)."""
+        self.ctx = ctx
+        self.after_job = after_job
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Job]] = asyncio.PriorityQueue()
+        self._seq = 0
+        self._job_bytes: dict[int, int] = {}  # tensor bytes held by each queued job, by seq
+        self.busy = 0
+        """Jobs running now (0 or 1)."""
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def unfinished(self) -> int:
+        """Jobs queued or running (their sends are tasks the node owns)."""
+        return self._queue.qsize() + self.busy
+
+    def put(self, kind: str, job: Job, nbytes: int = 0) -> None:
+        """Queue ``job``, which holds ``nbytes`` of tensors; ``busy`` or ``overloaded`` if full."""
+        config = self.ctx.config
+        if self._queue.qsize() >= config.train.max_queue:
+            raise Refused("busy", f"queue full ({self._queue.qsize()} jobs)", 503)
+        if self._queue.empty():
+            self._job_bytes.clear()  # jobs dropped unrun (a stage move) hold nothing any more
+        queued = sum(self._job_bytes.values())
+        if nbytes and queued + nbytes > config.net.max_queued_bytes:
+            raise Refused(
+                "overloaded",
+                f"{queued} bytes of work queued, {nbytes} more would pass the "
+                f"{config.net.max_queued_bytes}-byte limit",
+                503,
+            )
+        self._seq += 1
+        self._job_bytes[self._seq] = nbytes
+        self._queue.put_nowait((PRIORITY[kind], self._seq, job))
+
+    def drop_all(self) -> int:
+        """Forget every queued job (the node moves to another stage); returns how many."""
+        num = 0
+        while not self._queue.empty():
+            self._queue.get_nowait()
+            num += 1
+        return num
+
+    async def run(self) -> None:
+        """Run queued jobs one at a time until cancelled; their sends overlap the next job."""
+        while True:
+            _, seq, job = await self._queue.get()
+            self._job_bytes.pop(seq, None)
+            self.busy += 1
+            try:
+                send = await job()
+                if send is not None:
+                    self.ctx.spawn(self._send(send))
+                self.after_job()
+            except Exception:
+                self.ctx.counters["job_errors"] += 1
+                log.exception("job failed")
+            finally:
+                self.busy -= 1
+
+    async def _send(self, send: Send) -> None:
+        try:
+            await send()
+        except Exception:
+            self.ctx.counters["send_errors"] += 1
+            log.exception("send failed")
+
+
+class HopSender:
+    """Sends finished microbatches onward: to a drawn replica of a stage, or to one peer."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self._log = RateLimitedLog(log)
+
+    async def send_to(self, hop: Hop, msg: Message) -> bool:
+        """Send to one fixed peer (a microbatch's way home or back); False if it failed."""
+        if await self._request(hop.peer_id, hop.address, msg) is None:
+            return True
+        self.ctx.counters["hops_dropped"] += 1
+        return False
+
+    async def send_to_stage(self, stage: int, msg: Message) -> bool:
+        """Send to a replica of ``stage`` drawn by the router, retrying others on failure."""
+        tried: set[str] = set()
+        for attempt in range(self.ctx.config.train.hop_retries + 1):
+            peer = await self._pick(stage, tried)
+            if peer is None:
+                break
+            error = await self._request(peer.peer_id, peer.address, msg)
+            if error is None:
+                return True
+            self.ctx.counters["hop_retries"] += 1
+            if error != "busy":
+                tried.add(peer.peer_id)
+            await asyncio.sleep(0.05 * 2**attempt)
+        self.ctx.counters["hops_dropped"] += 1
+        self._log.log(
+            f"drop{stage}",
+            logging.WARNING,
+            "no replica of stage %d took a microbatch; dropped",
+            stage,
+        )
+        return False
+
+    async def _pick(self, stage: int, tried: set[str]) -> PeerRecord | None:
+        """A replica of ``stage``; waits up to one hop timeout for one to appear."""
+        ctx = self.ctx
+        deadline = time.monotonic() + ctx.config.train.hop_timeout_s
+        while True:
+            peer = ctx.router.choose(ctx.table.replicas(stage), ctx.clock.now(), exclude=tried)
+            if peer is not None or time.monotonic() > deadline or ctx.state.leaving:
+                return peer
+            await asyncio.sleep(0.2)
+
+    async def _request(self, peer_id: str, address: str, msg: Message) -> str | None:
+        """Send one hop; ``None`` when the peer accepted it, else the error code."""
+        ctx = self.ctx
+        ctx.router.started(peer_id)
+        t0 = time.monotonic()
+        try:
+            reply = await ctx.transport.request(
+                address, msg, ctx.config.train.hop_timeout_s, peer_id
+            )
+            expect(reply, Ack)
+        except (TransportError, ValueError) as e:
+            code = e.code if isinstance(e, TransportError) else "bad_reply"
+            if code == "duplicate_microbatch":  # it reached that peer by another route already
+                ctx.router.finished(peer_id, True, ctx.clock.now())
+                return None
+            ctx.router.finished(peer_id, False, ctx.clock.now())
+            ctx.counters[f"send_failed_{code}"] += 1
+            self._log.log(
+                f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e
+            )
+            return code
+        ctx.router.finished(peer_id, True, ctx.clock.now(), time.monotonic() - t0)
+        return None

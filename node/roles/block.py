@@ -1,0 +1,85 @@
+"""A block stage's role: a microbatch's forward and backward through this stage's blocks.
+
+Forward: the activations go through the blocks (kept for the backward under the
+microbatch's id, with the weights they were made with: ``node.stage.runner``), and the
+output goes on to a replica of the next stage in the microbatch's route, or home to the
+head that issued it after the last block stage. Backward: the gradient goes back through
+the same blocks and on to the previous hop of the recorded path. Both messages are built
+and encoded on the compute thread, so the event loop only sends them.
+
+Does not own the weights or the maths (``node.stage.runner``), the queue or the sending
+(``node.pipeline``).
+"""
+
+from __future__ import annotations
+
+from node.context import NodeContext
+from node.pipeline import HopSender, Job, Send
+from node.stage.runner import StageRunner
+from protocol.messages import Backward, Forward, Hop, prepare
+from protocol.quant import WireTensor, encode_tensor
+from swarm.seams import Refused
+
+
+class BlockRole:
+    """One block-stage replica's jobs."""
+
+    forward_kind = "forward"
+
+    def __init__(self, ctx: NodeContext, runner: StageRunner, hops: HopSender) -> None:
+        self.ctx = ctx
+        self.runner = runner
+        self.hops = hops
+        self.codec = ctx.config.train.wire_codec
+
+    def forward_job(self, msg: Forward, x: WireTensor) -> Job:
+        runner, codec, stage = self.runner, self.codec, self.runner.stage
+        path = [*msg.path, Hop(stage, self.ctx.peer_id, self.ctx.state.address)]
+        route = msg.route or list(range(1, self.ctx.num_stages))
+        hop = len(msg.path) - 1  # our position in the route
+        nxt = route[hop + 1] if hop + 1 < len(route) else 0
+
+        def compute() -> Forward:
+            out = runner.block_forward(msg.mb_id, x.decode(), train=not msg.eval)
+            tensors, meta = encode_tensor(out, codec, name="h")
+            onward = Forward(
+                mb_id=msg.mb_id,
+                target_stage=nxt,
+                path=path,
+                eval=msg.eval,
+                meta=meta,
+                tensors=tensors,
+                route=msg.route,
+            )
+            return prepare(onward)
+
+        async def job() -> Send:
+            out = await runner.compute(compute)
+            if nxt == 0:
+                return lambda: self.hops.send_to(path[0], out)
+            return lambda: self.hops.send_to_stage(nxt, out)
+
+        return job
+
+    def backward_job(self, msg: Backward, g: WireTensor) -> Job:
+        runner, codec = self.runner, self.codec
+        if not runner.has_saved(msg.mb_id):
+            raise Refused(
+                "unknown_microbatch",
+                f"no saved activations for {msg.mb_id} (expired or never seen)",
+                410,
+            )
+
+        def compute() -> Backward:
+            grad = runner.block_backward(msg.mb_id, g.decode())
+            tensors, meta = encode_tensor(grad, codec, name="g")
+            back = Backward(
+                mb_id=msg.mb_id, index=msg.index - 1, path=msg.path, meta=meta, tensors=tensors
+            )
+            return prepare(back)
+
+        async def job() -> Send:
+            back = await runner.compute(compute)
+            return lambda: self.hops.send_to(msg.path[msg.index - 1], back)
+
+        return job

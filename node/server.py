@@ -1,0 +1,329 @@
+"""The node's HTTP face: one ``/rpc`` endpoint for peers, three endpoints for operators.
+
+Owns the aiohttp application and what happens to a request before a service works on it:
+
+- ``POST /rpc``: one frame in, one frame out (``node.net.transport``). In a keyed swarm the
+  request's proof is checked before its body is read and its sender before it is
+  dispatched (``protocol.auth``); the guard (``node.services.guard``) admits it (bans,
+  unknown peers, rate limits, duplicates); then it goes to its handler: membership for
+  ``Hello`` and ``Leave``; the stage role's jobs, queued, for ``Forward`` and ``Backward``
+  (after their route and activations are checked); the runner for ``FetchState``; the sync
+  service for gossip and ring chunks; recovery for head backups and rollbacks.
+- ``GET /status``: the node's view of the swarm, as JSON.
+- ``POST /eval`` (a ready head node evaluates now) and ``POST /profile?seconds=S`` (the
+  compute thread's torch operators, ``node.stage.opprofile``): they cost the node work, so
+  a keyed swarm wants a proof over the empty body.
+
+Every refusal is an ``Error`` frame (or JSON for operators) with a stable code and HTTP
+status, counted as ``rejected_<code>`` and logged at most once per 5 s per code; a request
+that raises anything unforeseen is refused as ``internal_error`` and the node goes on.
+
+Does not own the services' rules, the compute queue (``node.pipeline``) or the lifecycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from node.config import parse_hostport
+from node.context import NodeContext
+from node.logs import RateLimitedLog
+from node.net.transport import RPC_PATH, frame_response, read_frame, sealed_response
+from node.pipeline import WorkQueue
+from node.roles.base import StageRole
+from node.roles.head import HeadRole
+from node.services.guard import RequestGuard
+from node.services.recovery import RecoveryService
+from node.services.sync import StageSync
+from node.stage.opprofile import DEFAULT_SECONDS, check_seconds, profile_compute
+from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
+from protocol.errors import ProtocolError
+from protocol.frames import Limits
+from protocol.messages import (
+    Ack,
+    Backward,
+    Error,
+    FetchState,
+    Forward,
+    GossipRequest,
+    HeadBackup,
+    Hello,
+    Leave,
+    Message,
+    RingChunk,
+    Rollback,
+    StageState,
+)
+from protocol.quant import WireTensor, open_tensor
+from swarm.membership import MembershipService
+from swarm.seams import Refused
+
+log = logging.getLogger(__name__)
+
+
+class NodeServer:
+    """Serves one node's endpoints; the daemon starts and closes it."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        *,
+        auth: SwarmAuth | None,
+        limits: Limits,
+        guard: RequestGuard,
+        membership: MembershipService,
+        recovery: RecoveryService,
+        work: WorkQueue,
+        role: Callable[[], StageRole | None],
+        sync: Callable[[], StageSync | None],
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        """``role()`` and ``sync()``: the current stage's (they change when the node moves);
+        ``status()``: the node's status for ``GET /status``."""
+        self.ctx = ctx
+        self.auth = auth
+        self.limits = limits
+        self.guard = guard
+        self.membership = membership
+        self.recovery = recovery
+        self.work = work
+        self.role = role
+        self.sync = sync
+        self.status = status
+        self.app = web.Application(client_max_size=ctx.config.net.max_frame_bytes)
+        self.app.router.add_post(RPC_PATH, self._handle_rpc)
+        self.app.router.add_get("/status", self._handle_status)
+        self.app.router.add_post("/eval", self._handle_eval)
+        self.app.router.add_post("/profile", self._handle_profile)
+        self._runner: web.AppRunner | None = None
+        self._profiling = False
+        self._log = RateLimitedLog(log)
+
+    async def start(self) -> int:
+        """Listen on ``net.listen``; returns the port bound."""
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        host, port = parse_hostport(self.ctx.config.net.listen, "net.listen")
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        bound: int = self._runner.addresses[0][1]
+        return bound
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- /rpc ---------------------------------------------------------------------------
+
+    async def _handle_rpc(self, request: web.Request) -> web.Response:
+        peer_host = request.remote or "?"
+        try:
+            incoming = self._authenticate(request)
+            msg = await read_frame(request, self.limits, incoming)
+            if incoming is not None:
+                incoming.check_sender(msg)
+            reply = await self._dispatch(msg, peer_host)
+        except ProtocolError as e:
+            return self._refuse(e.code, str(e), e.http_status, peer_host)
+        except Refused as e:
+            return self._refuse(e.code, e.message, e.http_status, peer_host)
+        except Exception as e:  # unforeseen input must not take the daemon down: refuse it
+            log.debug("request from %s raised", peer_host, exc_info=True)
+            return self._refuse("internal_error", f"{type(e).__name__}: {e}", 500, peer_host)
+        return await sealed_response(reply, incoming)
+
+    def _authenticate(self, request: web.Request) -> Incoming | None:
+        """A keyed swarm's cheap checks of a request's proof, before its body is read."""
+        if self.auth is None:
+            return None
+        header = request.headers.get(AUTH_HEADER)
+        return self.auth.accept(header, request.method, request.path, time.time())
+
+    def _refuse(self, code: str, message: str, status: int, peer_host: str) -> web.Response:
+        self.ctx.counters[f"rejected_{code}"] += 1
+        self._log.log(
+            code, logging.WARNING, "refused request from %s: %s: %s", peer_host, code, message
+        )
+        return frame_response(Error(code=code, message=message), status=status)
+
+    async def _dispatch(self, msg: Message, peer_host: str) -> Message:
+        self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
+        if isinstance(msg, Hello):
+            return self.membership.handle_hello(msg, peer_host)
+        if isinstance(msg, Leave):
+            self.membership.handle_leave(msg)
+            self.ctx.router.forget(msg.peer_id)
+            return Ack()
+        if isinstance(msg, Forward):
+            return self._on_forward(msg)
+        if isinstance(msg, Backward):
+            return self._on_backward(msg)
+        if isinstance(msg, FetchState):
+            return await self._on_fetch_state(msg)
+        self.ctx.state.check_serving()
+        if isinstance(msg, GossipRequest):
+            return await self._current_sync().on_gossip(msg)
+        if isinstance(msg, RingChunk):
+            self._current_sync().on_ring_chunk(msg)
+            return Ack()
+        if isinstance(msg, HeadBackup):
+            self.recovery.on_head_backup(msg)
+            return Ack()
+        if isinstance(msg, Rollback):
+            await self.recovery.on_rollback(msg)
+            return Ack()
+        raise Refused("unexpected_message", f"{msg.TYPE!r} is not a request", 400)
+
+    def _current_sync(self) -> StageSync:
+        sync = self.sync()
+        assert sync is not None, "a serving node synchronises"
+        return sync
+
+    def _current_role(self) -> StageRole:
+        role = self.role()
+        assert role is not None, "a serving node has a role"
+        return role
+
+    # ---- a microbatch arrives -----------------------------------------------------------
+
+    def _on_forward(self, msg: Forward) -> Ack:
+        state = self.ctx.state
+        state.check_serving()
+        if msg.target_stage != state.stage:
+            raise Refused(
+                "wrong_stage", f"this node serves stage {state.stage}, not {msg.target_stage}"
+            )
+        self._check_route(msg)
+        x = self._activation(msg.tensors, msg.meta)
+        role = self._current_role()
+        self.work.put(role.forward_kind, role.forward_job(msg, x), 4 * math.prod(x.shape))
+        self.guard.accepted(msg)
+        return Ack()
+
+    def _check_route(self, msg: Forward) -> None:
+        """A forward's path starts at its head, and its route brings this hop to us."""
+        if not msg.path or msg.path[0].stage != 0:
+            raise Refused("bad_path", "a forward's path must start at its head node", 400)
+        stage = self.ctx.stage
+        block_stages = list(range(1, self.ctx.num_stages))
+        route = msg.route or block_stages
+        hop = len(msg.path) - 1
+        if sorted(route) != block_stages or (
+            stage != 0 and (hop >= len(route) or route[hop] != stage)
+        ):
+            raise Refused(
+                "bad_route", f"route {msg.route} does not bring hop {hop} to stage {stage}", 400
+            )
+
+    def _on_backward(self, msg: Backward) -> Ack:
+        state = self.ctx.state
+        runner = state.runner
+        if not (state.draining and runner is not None and runner.has_saved(msg.mb_id)):
+            state.check_serving()  # a draining node still takes backwards of its forwards
+        if not 0 <= msg.index < len(msg.path) or msg.path[msg.index].peer_id != self.ctx.peer_id:
+            raise Refused(
+                "not_on_path", f"this node is not hop {msg.index} of microbatch {msg.mb_id}", 400
+            )
+        g = self._activation(msg.tensors, msg.meta)
+        job = self._current_role().backward_job(msg, g)
+        self.work.put("backward", job, 4 * math.prod(g.shape))
+        self.guard.accepted(msg)
+        return Ack()
+
+    def _activation(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> WireTensor:
+        """Check an incoming activation or gradient, [B, T, d_model] and finite, as it came:
+        the compute job decodes it (``WireTensor``), so the event loop runs no conversion."""
+        x = open_tensor(tensors, meta)
+        model = self.ctx.config.model
+        shape = x.shape
+        if len(shape) != 3 or shape[2] != model.d_model or not 0 < shape[1] <= model.max_seq_len:
+            raise Refused(
+                "bad_shape",
+                f"expected [batch, seq<={model.max_seq_len}, {model.d_model}], got {list(shape)}",
+                400,
+            )
+        if not x.finite():
+            raise Refused("non_finite", "tensor contains NaN or infinite values", 400)
+        return x
+
+    async def _on_fetch_state(self, msg: FetchState) -> StageState:
+        state = self.ctx.state
+        state.check_serving()
+        backup = self.recovery.head_backup
+        if msg.stage == 0 and state.stage != 0 and backup is not None:
+            return StageState(stage=0, step=backup[0], samples=0, tensors=backup[1])
+        if msg.stage != state.stage:
+            raise Refused("wrong_stage", f"this node serves stage {state.stage}, not {msg.stage}")
+        runner = state.the_runner()
+        tensors, step, samples = await runner.compute(runner.snapshot)
+        return StageState(stage=state.stage, step=step, samples=samples, tensors=tensors)
+
+    # ---- operators ----------------------------------------------------------------------
+
+    async def _handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    def _operator_refusal(self, request: web.Request) -> web.Response | None:
+        """For the operator's endpoints that cost the node work (``/eval``, ``/profile``): in
+        a keyed swarm, the refusal of a request without a valid proof over its empty body."""
+        try:
+            incoming = self._authenticate(request)
+            if incoming is not None:
+                incoming.verify(frame_digest([]))
+        except ProtocolError as e:
+            return self._json_refusal(e.code, str(e), e.http_status, request)
+        return None
+
+    def _json_refusal(
+        self, code: str, message: str, status: int, request: web.Request
+    ) -> web.Response:
+        """Count and log a refused operator request; answer it in JSON."""
+        self._refuse(code, message, status, request.remote or "?")
+        return web.json_response({"error": f"{code}: {message}"}, status=status)
+
+    async def _handle_eval(self, request: web.Request) -> web.Response:
+        refused = self._operator_refusal(request)
+        if refused is not None:
+            return refused
+        role = self.role()
+        if not isinstance(role, HeadRole) or not self.ctx.state.ready:
+            return web.json_response(
+                {"error": "only a ready head-stage node evaluates"}, status=409
+            )
+        loss = await role.evaluate()
+        return web.json_response({"eval_loss": loss, "step": role.runner.step})
+
+    async def _handle_profile(self, request: web.Request) -> web.Response:
+        """``POST /profile?seconds=S``: the compute thread's torch operators over the next
+        S seconds of training (``node.stage.opprofile``); one profile at a time."""
+        refused = self._operator_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            seconds = check_seconds(float(request.query.get("seconds", DEFAULT_SECONDS)))
+        except ValueError as e:
+            return self._json_refusal("bad_request", f"profile: {e}", 400, request)
+        runner = self.ctx.state.runner
+        if runner is None or not self.ctx.state.ready:
+            return self._json_refusal("not_ready", "no stage to profile yet", 409, request)
+        if self._profiling:
+            return self._json_refusal(
+                "profile_running", "a profile is already running", 409, request
+            )
+        self._profiling = True
+        try:
+            summary = await profile_compute(runner, seconds)
+        except RuntimeError:  # the runner closed under the profile
+            message = f"the node left stage {runner.stage} during the profile"
+            return self._json_refusal("stage_changed", message, 409, request)
+        finally:
+            self._profiling = False
+        log.info("profiled the compute thread for %.1fs", seconds)
+        return web.json_response({"peer_id": self.ctx.peer_id, "stage": runner.stage, **summary})
