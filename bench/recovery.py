@@ -11,8 +11,8 @@ the dead peer has expired from the peer tables, takes the empty stage and rebuil
 the method under test. The head evaluates on the held-out split every ``--eval-s`` seconds.
 
 The failure rate is given per hour as in the paper (``--per-hour 10``: 10 % of stages fail
-per hour) and mapped to a probability per step with ALGORITHMS.md's reference point
-(0.002 per iteration for 10 %/hour), or directly with ``--p``.
+per hour) and mapped to a probability per step with the CheckFree paper's reference
+point (its simulator fails a stage with probability 0.002 per iteration for 10 %/hour), or directly with ``--p``.
 
 Writes ``bench/results/recovery.json`` (eval loss against wall-clock seconds and against
 steps, time to reach ``--target`` loss, the failures injected) and ``recovery.png``;

@@ -67,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
+    _add_join(sub)
+    _add_status(sub)
+    _add_profile(sub)
+    _add_demo(sub)
+    _add_export(sub)
+    _add_generate(sub)
+    return p
+
+
+def _add_join(sub: Any) -> None:
     j = sub.add_parser("join", help="run a daemon that serves one stage of the swarm's model")
     j.add_argument(
         "--stage",
@@ -133,11 +143,15 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--help-config", action="store_true", help="list every setting and exit")
     j.set_defaults(func=_cmd_join)
 
+
+def _add_status(sub: Any) -> None:
     s = sub.add_parser("status", help="show a running node's view of the swarm")
     s.add_argument("address", metavar="ADDRESS", help="HOST:PORT of the node")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     s.set_defaults(func=_cmd_status)
 
+
+def _add_profile(sub: Any) -> None:
     pr = sub.add_parser(
         "profile",
         help="where a running node's compute thread spends its CPU, by torch operator",
@@ -153,6 +167,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     pr.set_defaults(func=_cmd_profile)
 
+
+def _add_demo(sub: Any) -> None:
     d = sub.add_parser("demo", help="start a local swarm on this machine, train, print a summary")
     d.add_argument("--block-stages", type=int, default=3, help="block stages (default 3)")
     d.add_argument(
@@ -175,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--logs", metavar="DIR", help="write each node's log here (default: a temp dir)")
     d.set_defaults(func=_cmd_demo)
 
+
+def _add_export(sub: Any) -> None:
     e = sub.add_parser("export", help="write the swarm's current model to a directory")
     e.add_argument("address", metavar="ADDRESS", help="HOST:PORT of any node of the swarm")
     e.add_argument("--out", required=True, metavar="DIR", help="directory to write the model to")
@@ -193,6 +211,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=_cmd_export)
 
+
+def _add_generate(sub: Any) -> None:
     g = sub.add_parser("generate", help="sample text from an exported model (no swarm needed)")
     g.add_argument("--model", required=True, metavar="DIR", help="directory written by node export")
     g.add_argument("--prompt", required=True, help="text to continue")
@@ -205,7 +225,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (200)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     g.set_defaults(func=_cmd_generate)
-    return p
 
 
 def join_config(args: argparse.Namespace) -> Config:

@@ -33,7 +33,7 @@ from node.context import NodeContext, NodeState
 from node.identity import swarm_auth
 from node.metrics import MetricsServer, start_metrics_server
 from node.net.addresses import ANY_HOST, announce_host, observed_address
-from node.net.netem import ShapedTransport
+from node.net.netem import shaped
 from node.net.transport import HttpTransport, TrafficStats, server_stats
 from node.pipeline import HopSender, WorkQueue
 from node.roles.base import StageRole
@@ -55,7 +55,7 @@ from swarm.discovery import ZeroconfDiscovery, announce_addresses
 from swarm.membership import IntroducingTransport, MembershipService
 from swarm.peers import PeerTable
 from swarm.routing import Router
-from swarm.seams import MonotonicClock, Transport
+from swarm.seams import MonotonicClock
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,7 @@ class Node:
         self.rng = random.Random(self.peer_id)
         limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
         self.http = HttpTransport(limits, self.auth)
-        net = config.net
-        link: Transport = self.http
-        if net.inject_latency_s or net.inject_bandwidth_mbps:
-            bandwidth = net.inject_bandwidth_mbps * 125_000 or None
-            link = ShapedTransport(self.http, net.inject_latency_s, bandwidth)
+        link = shaped(self.http, config.net)  # the testbeds' emulated latency and uplink
         self.table = PeerTable(self.peer_id, config.membership.ttl_s, config.membership.max_peers)
         self.router = Router(self.rng)
         self.membership = MembershipService(
@@ -100,6 +96,12 @@ class Node:
             rng=self.rng,
         )
         self.counters: Counter[str] = Counter()
+        self.discovery: ZeroconfDiscovery | None = None
+        self._stop = asyncio.Event()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._spawned: set[asyncio.Task[None]] = set()
+        self._heartbeats: asyncio.Task[None] | None = None
+        self._metrics: MetricsServer | None = None
         self.ctx = NodeContext(
             config=config,
             peer_id=self.peer_id,
@@ -113,6 +115,10 @@ class Node:
             counters=self.counters,
             spawn=self.spawn,
         )
+        self._build_parts(limits)
+
+    def _build_parts(self, limits: Limits) -> None:
+        """The parts that serve the node, each given the context and the callables it uses."""
         self.guard = RequestGuard(self.ctx)  # admission of requests, bans of hostile peers
         self.states = StateFetcher(self.ctx, self.guard)
         self.recovery = RecoveryService(
@@ -135,12 +141,6 @@ class Node:
             sync=lambda: self.sync,
             status=self.status,
         )
-        self.discovery: ZeroconfDiscovery | None = None
-        self._stop = asyncio.Event()
-        self._tasks: asyncio.TaskGroup | None = None
-        self._spawned: set[asyncio.Task[None]] = set()
-        self._heartbeats: asyncio.Task[None] | None = None
-        self._metrics: MetricsServer | None = None
 
     @property
     def runner(self) -> StageRunner | None:

@@ -11,7 +11,7 @@ takes its snapshot of the node on the event loop (``run_coroutine_threadsafe``),
 owned by the loop is never read while the loop changes it and the loop never waits for a
 scrape. Does not own the state it exports, nor decide what is counted.
 
-Thermometers (ALGORITHMS.md section 8, after YaLM-100B): per stage the latest maximum and
+Thermometers (YaLM-100B practice; ``docs/algorithms.md`` section 9): per stage the latest maximum and
 minimum output activation and the post-clip gradient norm, so a runaway shows before the
 loss explodes.
 """

@@ -1,7 +1,7 @@
 """Wire compression of tensors: blockwise int8 quantization and named codecs.
 
 Owns: turning a tensor into what travels in a frame under a codec ("fp32", "bf16", "int8")
-and back to float32. The int8 codec is blockwise absmax quantization (ALGORITHMS.md
+and back to float32. The int8 codec is blockwise absmax quantization (``docs/algorithms.md``
 section 7): the flattened tensor is split into blocks of ``block`` values (zero padded at
 the end), each block stores one float32 scale ``absmax / 127`` and int8 codes
 ``round(x / scale)`` in [-127, 127]; dequantizing multiplies back, so each value is off by

@@ -1,7 +1,7 @@
 """Ring all-reduce over the daemon's own transport (the baseline NoLoCo replaces).
 
-The seed article's ring (ALGORITHMS.md section 5; Patarasuk and Yuan, 2009, as used by
-Baidu and Horovod): the flat tensor is cut into ``N`` chunks (the first ``numel % N`` one
+The classic ring (Patarasuk and Yuan, 2009, as used by Baidu and Horovod; ``docs/algorithms.md``
+section 5): the flat tensor is cut into ``N`` chunks (the first ``numel % N`` one
 element longer); in ``N - 1`` scatter-reduce steps member ``r`` sends chunk ``r - t`` to
 its right neighbour and adds the chunk ``r - t - 1`` that arrives from its left; member
 ``r`` then holds the finished sum of chunk ``r + 1``; ``N - 1`` all-gather steps pass the

@@ -3,7 +3,7 @@
 ``choose_stage`` is the simple rule (``balance.policy = "replicas"``, the benchmark's
 baseline): an empty stage first, else the stage with the fewest live replicas, ties broken at
 random (so nodes that join together spread out). The default throughput rule and
-rebalancing (Petals, ALGORITHMS.md section 3) live in ``swarm.balance``.
+rebalancing (Petals, arXiv 2209.01188; ``docs/algorithms.md`` section 3) live in ``swarm.balance``.
 """
 
 from __future__ import annotations

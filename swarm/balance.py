@@ -2,7 +2,7 @@
 
 The policy follows Petals' block selection (Borzunov et al., "Petals: Collaborative
 Inference and Fine-tuning of Large Models", arXiv 2209.01188, and "Distributed Inference and
-Fine-tuning of Large Language Models Over The Internet", arXiv 2312.08361; ALGORITHMS.md
+Fine-tuning of Large Language Models Over The Internet", arXiv 2312.08361; ``docs/algorithms.md``
 section 3), which SWARM (arXiv 2301.11913) describes but never shipped:
 
 - a stage's throughput is the sum of its replicas' service rates (samples per second of

@@ -4,7 +4,7 @@ Pure maths on flat fp32 tensors, usable from any training loop (the NoLoCo autho
 the optimizer can be reused in other protocols). Nothing here talks to peers: the caller
 brings the other group members' contributions.
 
-**NoLoCo** (Kolehmainen et al., 2025, arXiv 2506.10911, section 3; ALGORITHMS.md section 4).
+**NoLoCo** (Kolehmainen et al., 2025, arXiv 2506.10911, section 3; ``docs/algorithms.md`` section 4).
 Replica ``i`` keeps fast weights ``theta``, slow weights ``phi`` and outer momentum ``m``.
 Every ``H`` inner steps it forms a group ``G`` with one random partner and, with
 ``d_k = theta_k - phi_k``::

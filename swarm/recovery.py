@@ -1,6 +1,6 @@
 """CheckFree recovery policy: how to rebuild a lost stage, and who refills it.
 
-CheckFree (Blagoev et al., 2025, arXiv 2506.15461; ALGORITHMS.md section 6). When every
+CheckFree (Blagoev et al., 2025, arXiv 2506.15461; ``docs/algorithms.md`` section 6). When every
 replica of block stage ``s`` is gone, the node that takes the stage over rebuilds it from
 its neighbours instead of a checkpoint::
 

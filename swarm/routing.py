@@ -1,7 +1,7 @@
 """SWARM stochastic wiring: choose the next hop of a microbatch among a stage's replicas.
 
 SWARM Parallelism (Ryabinin et al., ICML 2023, arXiv 2301.11913), section 3.2 and
-ALGORITHMS.md section 2. Each hop is drawn at random with probability proportional to the
+``docs/algorithms.md`` section 2. Each hop is drawn at random with probability proportional to the
 replica's estimated rate of finishing our work: its published service rate (samples/s, an
 EMA it measures itself) divided by the work ahead of ours (its queue plus what we already
 have in flight with it). A replica we know nothing about yet gets the best rate seen, so new

@@ -1,6 +1,6 @@
 """Screening a peer's weights before they are mixed into ours: refuse the poisoned ones.
 
-NoLoCo (Kolehmainen et al., 2025, arXiv 2506.10911, section 3; ALGORITHMS.md section 4)
+NoLoCo (Kolehmainen et al., 2025, arXiv 2506.10911, section 3; ``docs/algorithms.md`` sections 4 and 8)
 averages a replica's slow weights and pseudo-gradient with one random partner's every ``H``
 inner steps, and a joining or recovering replica copies (or averages, CheckFree) the
 weights of live peers. Neither paper asks whether those weights can be trusted. In a swarm

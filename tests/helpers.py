@@ -14,6 +14,17 @@ from aiohttp import web
 from node.demo import LocalSwarm
 from node.net.transport import RPC_PATH
 
+FAST_SWARM = {
+    "node.join_wait_s": "1.0",
+    "train.eval_interval_s": "0",
+    "train.hop_timeout_s": "3",
+    "train.microbatch_deadline_s": "8",
+    "membership.ttl_s": "4",
+}
+"""What the process tests' swarms share: a node joins after 1 s of listening, no periodic
+evaluation, short hop and microbatch deadlines, and a silent peer expires after 4 s. Each
+test file adds or overrides what its scenario needs: ``{**FAST_SWARM, ...}``."""
+
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
     """Poll ``pred`` until it returns something truthy (returned). A node that is still

@@ -25,3 +25,64 @@ def test_no_pickle_or_torch_load_on_peer_data() -> None:
         if "import pickle" in text or "torch.load(" in text:
             offenders.append(path.name)
     assert offenders == []
+
+
+def import_cycles(*packages: str) -> list[list[str]]:
+    """Every import circle among the modules of ``packages``, as the strongly connected
+    components of the import graph (``grimp``, which import-linter builds on), each sorted;
+    imports under ``TYPE_CHECKING`` and inside functions count too."""
+    import grimp
+
+    graph = grimp.build_graph(*packages)
+    modules = sorted(graph.modules)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's algorithm
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for n in sorted(graph.find_modules_directly_imported_by(m)):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in on_stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                on_stack.discard(n)
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return cycles
+
+
+def test_no_import_cycle_anywhere() -> None:
+    pytest.importorskip("grimp", reason="grimp comes with import-linter (pip install -e '.[test]')")
+    assert import_cycles("node", "swarm", "protocol") == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that cannot fail proves nothing: two modules that import each other."""
+    pytest.importorskip("grimp")
+    pkg = tmp_path / "circle"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from circle import b\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from circle import a\n"
+    )
+    (pkg / "c.py").write_text("from circle import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("circle") == [["circle.a", "circle.b"]]

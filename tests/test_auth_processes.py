@@ -19,13 +19,12 @@ from node.identity import IDENTITY_FILE
 from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 from protocol.frames import join_frame
 from protocol.messages import Error, Leave, Message, decode_message, encode_message
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 FAST = {  # two nodes, one block stage, a light pipeline: patient enough for a loaded machine
-    "node.join_wait_s": "1.0",
-    "train.eval_interval_s": "0",
+    **FAST_SWARM,
     "train.eval_batches": "1",
     "train.max_in_flight": "2",
     "train.hop_timeout_s": "10",

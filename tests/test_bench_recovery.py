@@ -10,7 +10,7 @@ from bench.recovery import P_PER_PERCENT_HOUR, failure_schedule, merge_runs, sum
 
 def test_the_schedule_fails_each_stage_at_the_given_rate_and_replays_by_seed() -> None:
     p = 10 * P_PER_PERCENT_HOUR
-    assert p == pytest.approx(0.002)  # ALGORITHMS.md: 0.002 per iteration is 10 %/hour
+    assert p == pytest.approx(0.002)  # CheckFree's simulator: 0.002 per iteration is 10 %/hour
     events = failure_schedule(p, 100_000, 4, seed=3)
     assert events == failure_schedule(p, 100_000, 4, seed=3)
     assert all(1 <= stage <= 4 for _, stage in events)

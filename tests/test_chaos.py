@@ -25,17 +25,13 @@ import pytest
 from node.client import fetch_status
 from node.demo import LocalSwarm, free_port, wait_ready
 from node.identity import IDENTITY_FILE
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 SETTINGS = {
-    "node.join_wait_s": "1.0",
-    "train.eval_interval_s": "0",
-    "train.hop_timeout_s": "3",
-    "train.microbatch_deadline_s": "8",
+    **FAST_SWARM,
     "train.max_in_flight": "4",
-    "membership.ttl_s": "4",
     "data.batch_size": "8",
     "data.seq_len": "64",
     "sync.method": "none",

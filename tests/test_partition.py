@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 from tests.netns import Host, Lab, netns_lab  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(420)]
@@ -35,11 +35,9 @@ STAGES = [0, 1, 2, 0, 1, 2]  # hosts 0-2 and 3-5 each hold a whole pipeline
 SIDE_A, SIDE_B = [0, 1, 2], [3, 4, 5]
 TTL_S = 4.0
 SETTINGS = {
+    **FAST_SWARM,
     "swarm.num_block_stages": "2",
     "node.join_wait_s": "4",
-    "train.eval_interval_s": "0",
-    "train.hop_timeout_s": "3",
-    "train.microbatch_deadline_s": "8",
     "train.max_in_flight": "4",
     "membership.ttl_s": str(TTL_S),
     "data.batch_size": "8",

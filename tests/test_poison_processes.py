@@ -30,7 +30,7 @@ import pytest
 
 from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -47,11 +47,8 @@ runs differ by about 2.2 % std); poisoned runs: 4.367, 4.379, 4.465 (scale:1000)
 2.7 standard deviations of that difference. (At the default learning rate, 2e-3, clean
 runs spread even more: std 3.4 %, range 9.2 %.)"""
 SETTINGS = {
-    "node.join_wait_s": "1.0",
-    "train.eval_interval_s": "0",
+    **FAST_SWARM,
     "train.eval_batches": "16",
-    "train.hop_timeout_s": "3",
-    "train.microbatch_deadline_s": "8",
     "train.lr": "5e-4",
     "train.warmup_steps": "4",
     "train.total_steps": str(BUDGET),

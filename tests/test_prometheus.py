@@ -23,17 +23,15 @@ import pytest
 import yaml
 
 from node.demo import LocalSwarm, free_port, wait_ready
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
 FAST = {
-    "node.join_wait_s": "1.0",
+    **FAST_SWARM,
     "train.eval_interval_s": "15",
-    "train.hop_timeout_s": "3",
     "train.microbatch_deadline_s": "6",
-    "membership.ttl_s": "4",
     "train.max_in_flight": "4",
     "swarm.num_block_stages": "2",
 }

@@ -9,15 +9,12 @@ import pytest
 
 from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
-from tests.helpers import kill_nodes, wait_for
+from tests.helpers import FAST_SWARM, kill_nodes, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 BASE = {
-    "node.join_wait_s": "1.0",
-    "train.eval_interval_s": "0",
-    "train.hop_timeout_s": "3",
-    "train.microbatch_deadline_s": "8",
+    **FAST_SWARM,
     "membership.ttl_s": "3",
     "recovery.refill_wait_s": "3",
     "sync.method": "none",

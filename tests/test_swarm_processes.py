@@ -28,16 +28,13 @@ from protocol.auth import Identity
 from protocol.frames import encode_frame, join_frame
 from protocol.messages import Error, Forward, Hop, decode_message, encode_message
 from protocol.quant import encode_tensor
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 FAST = {
-    "node.join_wait_s": "1.0",
-    "train.eval_interval_s": "0",
-    "train.hop_timeout_s": "3",
+    **FAST_SWARM,
     "train.microbatch_deadline_s": "6",
-    "membership.ttl_s": "4",
     "train.max_in_flight": "4",
 }
 

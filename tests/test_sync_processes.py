@@ -13,16 +13,12 @@ from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
-from tests.helpers import wait_for
+from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 BASE = {
-    "node.join_wait_s": "1.0",
-    "train.eval_interval_s": "0",
-    "train.hop_timeout_s": "3",
-    "train.microbatch_deadline_s": "8",
-    "membership.ttl_s": "4",
+    **FAST_SWARM,
     "swarm.num_block_stages": "2",
     "train.step_samples": "16",
     "sync.outer_steps": "4",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from node.config import NetConfig
 from protocol.frames import frame_nbytes
 from protocol.messages import Message, encode_message
 from swarm.seams import Transport, TransportError
@@ -55,3 +56,11 @@ class ShapedTransport:
                 "timeout", f"{address} did not answer within {timeout_s:.1f}s"
             ) from None
         return reply
+
+
+def shaped(inner: Transport, net: NetConfig) -> Transport:
+    """``inner`` with ``net.inject_latency_s`` and ``net.inject_bandwidth_mbps`` applied, or
+    ``inner`` itself when neither is set."""
+    if not (net.inject_latency_s or net.inject_bandwidth_mbps):
+        return inner
+    return ShapedTransport(inner, net.inject_latency_s, net.inject_bandwidth_mbps * 125_000 or None)

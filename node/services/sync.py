@@ -28,7 +28,8 @@ import torch
 from node.config import SyncConfig
 from node.context import NodeContext
 from node.services.guard import RequestGuard
-from node.stage.runner import Offer, StageRunner
+from node.stage.outer import Offer
+from node.stage.runner import StageRunner
 from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService

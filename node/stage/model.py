@@ -1,7 +1,7 @@
 """The model: a Llama-style decoder and its pipeline split into a head stage and block stages.
 
 Owns the architecture (``ModelConfig``, presets), the split into ``1 + N`` stages
-(ALGORITHMS.md section 1), deterministic per-stage initialisation from the swarm seed, and
+(``docs/algorithms.md`` section 1), deterministic per-stage initialisation from the swarm seed, and
 the composition of stages back into one ``FullModel`` for offline evaluation and tests.
 Does not own training loops, optimisers, devices, data or anything on the wire.
 
@@ -9,7 +9,7 @@ Architecture, after Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Found
 Language Models", section 2.2): RMSNorm pre-norm blocks, rotary position embeddings (Su et
 al. 2021, "RoFormer"), SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer"), no
 biases, no dropout, untied embedding and LM head. Stability practice from YaLM-100B
-(ALGORITHMS.md section 8): an extra RMSNorm right after the token embedding, norms, RoPE and
+(``docs/algorithms.md`` section 9): an extra RMSNorm right after the token embedding, norms, RoPE and
 the loss computed in fp32, and the residual stream kept in the dtype of its input, so under
 ``torch.autocast(..., dtype=torch.bfloat16)`` the matmuls run in bf16 while the residual
 stays fp32.

@@ -29,15 +29,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
 from node.stage.model import BlockStage, HeadStage, build_stage
+from node.stage.outer import Encoded, Offer, OuterState
 from node.stage.stash import WeightStash
-from protocol.quant import decode_tensor, encode_tensor
-from swarm.outer import (
-    DiLoCoConfig,
-    NoLoCoConfig,
-    diloco_outer_step,
-    noloco_outer_step,
-    rms_distance,
-)
+from swarm.outer import DiLoCoConfig, NoLoCoConfig
 
 T = TypeVar("T")
 
@@ -82,23 +76,6 @@ class _Saved:
     created_s: float
 
 
-@dataclass(frozen=True)
-class Offer:
-    """A partner's decoded NoLoCo offer and how far it lies from this replica."""
-
-    phi: torch.Tensor
-    delta: torch.Tensor
-    distance: float
-    """RMS distance between the partner's fast weights (phi + delta) and ours; NaN if its
-    tensors are not finite."""
-    scale: float
-    """RMS of our own fast weights."""
-    movement: float
-    """How far we moved since we last averaged with a partner (RMS), over every solo round
-    since: an honest partner apart as long (a partition, a long solo stretch) drifted about
-    as far, so the screen must allow that much."""
-
-
 @dataclass
 class Thermometers:
     """YaLM-100B's "thermometers" of this stage: a runaway maximum precedes divergence."""
@@ -131,9 +108,7 @@ class StageRunner:
         self.pending_grads: torch.Tensor | None = None
         self.outer_rounds = 0
         self.lr_scale = 1.0
-        self.phi = torch.empty(0)
-        self.anchor = torch.empty(0)
-        self.outer_m = torch.empty(0)
+        self.outer: OuterState
         self._saved: dict[str, _Saved] = {}
         self.stash = WeightStash()
         self.thermo = Thermometers()
@@ -329,74 +304,50 @@ class StageRunner:
 
     # ---- outer synchronisation (NoLoCo, DiLoCo, data parallel) ----------------------------
 
+    def _theta(self) -> torch.Tensor:
+        """The live weights as one flat vector (a copy)."""
+        return parameters_to_vector(self.module.parameters()).detach()
+
+    def _set_theta(self, theta: torch.Tensor) -> None:
+        self._weights_change()
+        vector_to_parameters(theta, self.module.parameters())
+
     def _init_outer(self) -> None:
-        self.phi = parameters_to_vector(self.module.parameters()).detach().clone()
-        self.outer_m = torch.zeros_like(self.phi)
-        self.anchor = self.phi.clone()  # our weights when we last averaged with a partner
+        self.outer = OuterState(self._theta())
 
-    def outer_contribution(self, codec: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    @property
+    def phi(self) -> torch.Tensor:
+        """The slow weights of the last outer step (``node.stage.outer``)."""
+        return self.outer.phi
+
+    def outer_contribution(self, codec: str) -> Encoded:
         """This replica's NoLoCo offer: slow weights and pseudo-gradient, encoded."""
-        theta = parameters_to_vector(self.module.parameters()).detach()
-        phi, delta = self.phi, theta - self.phi
-        if self.sync.debug_poison:  # fault injection (tests): what a hostile partner sends
-            spec = self.sync.debug_poison
-            phi, delta = _poisoned(phi, spec), _poisoned(delta, spec)
-        phi_t, phi_meta = encode_tensor(phi, codec, name="phi")
-        d_t, d_meta = encode_tensor(delta, codec, name="delta")
-        return {**phi_t, **d_t}, {"phi": phi_meta, "delta": d_meta}
+        return self.outer.contribution(self._theta(), codec, self.sync.debug_poison)
 
-    def decode_offer(self, partner: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> Offer:
-        """A partner's NoLoCo offer, decoded and measured against this replica (not applied).
-
-        ``ValueError`` (``ProtocolError`` included) when it is malformed or does not fit.
-        """
-        tensors, meta = partner
-        if not isinstance(meta.get("phi"), dict) or not isinstance(meta.get("delta"), dict):
-            raise ValueError("offer lacks phi or delta metadata")
-        phi_j = decode_tensor(tensors, meta["phi"]).to(self.phi.device)
-        d_j = decode_tensor(tensors, meta["delta"]).to(self.phi.device)
-        if phi_j.shape != self.phi.shape or d_j.shape != self.phi.shape:
-            raise ValueError(
-                f"partner sent {tuple(phi_j.shape)} weights, this stage has {tuple(self.phi.shape)}"
-            )
-        theta = parameters_to_vector(self.module.parameters()).detach()
-        finite = bool(torch.isfinite(phi_j).all() and torch.isfinite(d_j).all())
-        # the partner's fast weights against ours: a poisoned phi or delta both show here
-        distance = rms_distance(phi_j + d_j, theta) if finite else math.nan
-        zeros = torch.zeros_like(theta)
-        return Offer(
-            phi_j, d_j, distance, rms_distance(theta, zeros), rms_distance(theta, self.anchor)
-        )
+    def decode_offer(self, partner: Encoded) -> Offer:
+        """A partner's NoLoCo offer, decoded and measured against this replica (not applied);
+        ``ValueError`` when it is malformed or does not fit."""
+        return self.outer.measure(partner, self._theta())
 
     def apply_noloco(self, offer: Offer | None) -> float | None:
         """NoLoCo's outer step with a screened offer (or solo); returns the slow-weight spread."""
-        partners, spread = [], None
-        if offer is not None:
-            spread = rms_distance(self.phi, offer.phi)
-            partners.append((offer.delta, offer.phi))
-        theta = parameters_to_vector(self.module.parameters()).detach()
-        noloco_outer_step(theta, self.phi, self.outer_m, partners, self.noloco)
-        self._weights_change()
-        vector_to_parameters(theta, self.module.parameters())
-        if offer is not None:
-            self.anchor = theta.clone()
+        theta = self._theta()
+        spread = self.outer.apply_noloco(theta, offer, self.noloco)
+        self._set_theta(theta)
         return spread
 
     def outer_delta(self) -> torch.Tensor:
         """DiLoCo's outer gradient ``phi - theta``."""
-        return self.phi - parameters_to_vector(self.module.parameters()).detach()
+        return self.outer.delta(self._theta())
 
     def apply_diloco(self, delta_mean: torch.Tensor) -> None:
-        theta = parameters_to_vector(self.module.parameters()).detach()
-        diloco_outer_step(
-            theta, self.phi, self.outer_m, delta_mean.to(self.phi.device), self.diloco
-        )
-        self._weights_change()
-        vector_to_parameters(theta, self.module.parameters())
+        theta = self._theta()
+        self.outer.apply_diloco(theta, delta_mean, self.diloco)
+        self._set_theta(theta)
 
     def apply_grads(self, flat_grads: torch.Tensor) -> None:
         """Data parallel: one inner step with the all-reduced gradient."""
-        self._optimizer_step(flat_grads.to(self.phi.device))
+        self._optimizer_step(flat_grads.to(self.device))
 
     def finish_sync(self, outer: bool) -> None:
         """Release held optimizer steps; take one at once if enough samples came in."""
@@ -437,8 +388,8 @@ class StageRunner:
             if state:
                 tensors[f"adam_m.{name}"] = state["exp_avg"].detach().cpu()
                 tensors[f"adam_v.{name}"] = state["exp_avg_sq"].detach().cpu()
-        tensors["outer.phi"] = self.phi.cpu()
-        tensors["outer.m"] = self.outer_m.cpu()
+        tensors["outer.phi"] = self.outer.phi.cpu()
+        tensors["outer.m"] = self.outer.m.cpu()
         return tensors, self.step, self.samples
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -508,21 +459,11 @@ class StageRunner:
                 }
         phi, m = tensors.get("outer.phi"), tensors.get("outer.m")
         if phi is not None and m is not None and phi.shape == m.shape == self.phi.shape:
-            self.phi = phi.to(self.device, torch.float32).clone()
-            self.outer_m = m.to(self.device, torch.float32).clone()
-            self.anchor = parameters_to_vector(self.module.parameters()).detach().clone()
+            self.outer.load(phi, m, self._theta())
         else:
             self._init_outer()
         self.step, self.samples = step, samples
         self.outer_rounds = step // self.sync.outer_steps
-
-
-def _poisoned(t: torch.Tensor, spec: str) -> torch.Tensor:
-    """``t`` as ``sync.debug_poison`` corrupts it: all NaN ("nan") or times K ("scale:K")."""
-    if spec == "nan":
-        return torch.full_like(t, math.nan)
-    kind, _, factor = spec.partition(":")
-    return t * float(factor) if kind == "scale" else t
 
 
 def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

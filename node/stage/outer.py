@@ -1,0 +1,131 @@
+"""A replica's outer-optimizer state: slow weights, outer momentum, and what it offers.
+
+NoLoCo (arXiv 2506.10911, section 3) and DiLoCo (arXiv 2311.08105) keep, beside a replica's
+live ("fast") weights ``theta``, its slow weights ``phi`` from the last outer step and an
+outer momentum ``m``; ``docs/algorithms.md`` sections 4 and 5 state the rules, and
+``swarm.outer`` applies them. This module owns that state for one replica, on flat fp32
+vectors: the contribution it offers a NoLoCo partner (its slow weights and pseudo-gradient
+``theta - phi``, encoded), measuring a partner's offer against it before it is mixed in
+(``swarm.screen`` judges the numbers), and applying either rule to ``theta`` in place. It
+also keeps the *anchor*, this replica's weights when it last averaged with a partner, to
+say how far it has moved alone since.
+
+Does not own the module, the optimizer, or when rounds happen (``node.stage.runner``,
+``node.services.sync``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from protocol.quant import decode_tensor, encode_tensor
+from swarm.outer import (
+    DiLoCoConfig,
+    NoLoCoConfig,
+    diloco_outer_step,
+    noloco_outer_step,
+    rms_distance,
+)
+
+Encoded = tuple[dict[str, torch.Tensor], dict[str, Any]]
+"""Tensors as they travel in a frame, and their codec metadata."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A partner's decoded NoLoCo offer and how far it lies from this replica."""
+
+    phi: torch.Tensor
+    delta: torch.Tensor
+    distance: float
+    """RMS distance between the partner's fast weights (phi + delta) and ours; NaN if its
+    tensors are not finite."""
+    scale: float
+    """RMS of our own fast weights."""
+    movement: float
+    """How far we moved since we last averaged with a partner (RMS), over every solo round
+    since: an honest partner apart as long (a partition, a long solo stretch) drifted about
+    as far, so the screen must allow that much."""
+
+
+class OuterState:
+    """Slow weights ``phi``, outer momentum ``m`` and the anchor of one replica."""
+
+    def __init__(self, theta: torch.Tensor) -> None:
+        """A replica starting from the fast weights ``theta``: ``phi = theta``, ``m = 0``."""
+        self.phi = theta.detach().clone()
+        self.m = torch.zeros_like(self.phi)
+        self.anchor = self.phi.clone()
+
+    def load(self, phi: torch.Tensor, m: torch.Tensor, theta: torch.Tensor) -> None:
+        """Take a copied replica's slow weights and momentum (its fast weights ``theta``)."""
+        device = self.phi.device
+        self.phi = phi.to(device, torch.float32).clone()
+        self.m = m.to(device, torch.float32).clone()
+        self.anchor = theta.detach().clone()
+
+    def contribution(self, theta: torch.Tensor, codec: str, poison: str = "") -> Encoded:
+        """This replica's NoLoCo offer: its slow weights and pseudo-gradient, encoded.
+        ``poison``: ``sync.debug_poison``, fault injection for tests."""
+        phi, delta = self.phi, theta - self.phi
+        if poison:  # what a hostile partner sends
+            phi, delta = _poisoned(phi, poison), _poisoned(delta, poison)
+        phi_t, phi_meta = encode_tensor(phi, codec, name="phi")
+        d_t, d_meta = encode_tensor(delta, codec, name="delta")
+        return {**phi_t, **d_t}, {"phi": phi_meta, "delta": d_meta}
+
+    def measure(self, offer: Encoded, theta: torch.Tensor) -> Offer:
+        """A partner's offer, decoded and measured against this replica (not applied).
+
+        ``ValueError`` (``ProtocolError`` included) when it is malformed or does not fit.
+        """
+        tensors, meta = offer
+        if not isinstance(meta.get("phi"), dict) or not isinstance(meta.get("delta"), dict):
+            raise ValueError("offer lacks phi or delta metadata")
+        phi_j = decode_tensor(tensors, meta["phi"]).to(self.phi.device)
+        d_j = decode_tensor(tensors, meta["delta"]).to(self.phi.device)
+        if phi_j.shape != self.phi.shape or d_j.shape != self.phi.shape:
+            raise ValueError(
+                f"partner sent {tuple(phi_j.shape)} weights, this stage has {tuple(self.phi.shape)}"
+            )
+        finite = bool(torch.isfinite(phi_j).all() and torch.isfinite(d_j).all())
+        # the partner's fast weights against ours: a poisoned phi or delta both show here
+        distance = rms_distance(phi_j + d_j, theta) if finite else math.nan
+        scale = rms_distance(theta, torch.zeros_like(theta))
+        return Offer(phi_j, d_j, distance, scale, rms_distance(theta, self.anchor))
+
+    def apply_noloco(
+        self, theta: torch.Tensor, offer: Offer | None, config: NoLoCoConfig
+    ) -> float | None:
+        """NoLoCo's outer step on ``theta`` in place, with a screened offer or solo; returns
+        the RMS spread between our slow weights and the partner's (None when solo)."""
+        partners, spread = [], None
+        if offer is not None:
+            spread = rms_distance(self.phi, offer.phi)
+            partners.append((offer.delta, offer.phi))
+        noloco_outer_step(theta, self.phi, self.m, partners, config)
+        if offer is not None:
+            self.anchor = theta.clone()
+        return spread
+
+    def delta(self, theta: torch.Tensor) -> torch.Tensor:
+        """DiLoCo's outer gradient ``phi - theta``."""
+        return self.phi - theta
+
+    def apply_diloco(
+        self, theta: torch.Tensor, delta_mean: torch.Tensor, config: DiLoCoConfig
+    ) -> None:
+        """DiLoCo's Nesterov outer step on ``theta`` in place with the mean outer gradient."""
+        diloco_outer_step(theta, self.phi, self.m, delta_mean.to(self.phi.device), config)
+
+
+def _poisoned(t: torch.Tensor, spec: str) -> torch.Tensor:
+    """``t`` as ``sync.debug_poison`` corrupts it: all NaN ("nan") or times K ("scale:K")."""
+    if spec == "nan":
+        return torch.full_like(t, math.nan)
+    kind, _, factor = spec.partition(":")
+    return t * float(factor) if kind == "scale" else t
