@@ -145,3 +145,48 @@ def test_snapshot_load_round_trip_and_bad_state() -> None:
         b.load(bad, 1, 2)
     with pytest.raises(ValueError, match="wrong parameter names"):
         b.load({"param.x": torch.ones(1)}, 1, 2)
+
+
+# ---- NoLoCo between two replicas, stepped by hand -----------------------------------------
+
+
+def noloco_by_the_rule(
+    me: dict[str, torch.Tensor], partner: dict[str, torch.Tensor], a: float, b: float, c: float
+) -> dict[str, torch.Tensor]:
+    """An independent statement of NoLoCo's outer step (arXiv 2506.10911, section 3, as the
+    reference code applies it), in float64 from each member's theta, phi and m before it."""
+    d_me, d_partner = me["theta"] - me["phi"], partner["theta"] - partner["phi"]
+    g_bar = (d_me + d_partner) / 2
+    phi_bar = (me["phi"] + partner["phi"]) / 2
+    m = a * me["m"] + b * g_bar + c * (phi_bar - me["phi"])
+    return {"phi": me["phi"] + m, "m": m, "theta": me["phi"] + m}
+
+
+def outer_state(r: StageRunner) -> dict[str, torch.Tensor]:
+    theta = torch.cat([p.detach().flatten() for p in r.module.parameters()])
+    return {"theta": theta.double(), "phi": r.phi.double(), "m": r.outer.m.double()}
+
+
+def test_both_members_of_a_noloco_pair_follow_the_rule() -> None:
+    """The answering replica applies its own outer step while its reply is still on the wire
+    (the daemon writes a reply after its handler returned): what it offered must not change
+    under the asker. With the offer sharing ``phi``'s memory the asker ended 9e-3 away."""
+    a, b = runner(1), runner(1)
+    gen = torch.Generator().manual_seed(3)
+    for rnd in range(2):  # the second round starts with a non-zero outer momentum
+        for r in (a, b):  # inner steps: the replicas' fast weights move apart
+            with torch.no_grad():
+                for p in r.module.parameters():
+                    p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        before_a, before_b = outer_state(a), outer_state(b)
+        offer_a, offer_b = a.outer_contribution("fp32"), b.outer_contribution("fp32")
+        b.apply_noloco(b.decode_offer(offer_a))  # b answered a's request and steps at once
+        a.apply_noloco(a.decode_offer(offer_b))  # ...before a decodes b's reply
+        for r, want in (
+            (a, noloco_by_the_rule(before_a, before_b, 0.5, 0.7, 0.7)),
+            (b, noloco_by_the_rule(before_b, before_a, 0.5, 0.7, 0.7)),
+        ):
+            got = outer_state(r)
+            for key in ("theta", "phi", "m"):
+                err = float((got[key] - want[key]).abs().max())
+                assert err < 1e-6, f"round {rnd}: {key} is {err:.2e} from the rule"

@@ -70,8 +70,12 @@ class OuterState:
 
     def contribution(self, theta: torch.Tensor, codec: str, poison: str = "") -> Encoded:
         """This replica's NoLoCo offer: its slow weights and pseudo-gradient, encoded.
-        ``poison``: ``sync.debug_poison``, fault injection for tests."""
-        phi, delta = self.phi, theta - self.phi
+
+        The tensors are new ones, never views of ``phi``: a reply is written to the wire
+        after its handler returned, while this replica may already be applying its own outer
+        step to ``phi`` in place (the partner would then receive updated weights; fp32
+        encoding does not copy). ``poison``: ``sync.debug_poison``, fault injection."""
+        phi, delta = self.phi.clone(), theta - self.phi
         if poison:  # what a hostile partner sends
             phi, delta = _poisoned(phi, poison), _poisoned(delta, poison)
         phi_t, phi_meta = encode_tensor(phi, codec, name="phi")
