@@ -1,0 +1,107 @@
+"""Two commits side by side: hop latency and pipeline efficiency, for changes that must not
+cost speed (a restructuring, say).
+
+Checks both commits out as git worktrees in a temporary directory and runs, in each, in
+turns (before, after, before, after, ...: the machine drifts, so the sides interleave):
+
+- hop latency: 3 runs of 1000 hops of a 16 KiB activation against a bare aiohttp echo
+  (``bench.perf_wire.measure_latency``), median p50 ratio;
+- pipeline efficiency: the local swarm (head + 3 block stages) for 40 s against one process
+  training the same model (``bench.perf_pipeline.measure_pipeline``, no profilers).
+
+Writes ``bench/results/ab.json``. Usage: ``python -m bench.ab BEFORE [AFTER] [--rounds 2]``
+(AFTER defaults to HEAD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+MEASURE = """
+import json, statistics, sys
+from bench.perf_pipeline import measure_pipeline
+from bench.perf_wire import measure_latency
+runs = [measure_latency(1000) for _ in range(3)]
+p = measure_pipeline(40.0, 10.0, [1, 2], profile=False, short=False, torch_profile_s=0.0)
+print(json.dumps({
+    "hop_p50_ratio": statistics.median(r["hop_p50_ratio_to_echo"] for r in runs),
+    "hop_p50_ms": statistics.median(r["hop"]["p50_ms"] for r in runs),
+    "pipeline_efficiency": p["pipeline_efficiency"],
+    "pipeline_cpu_efficiency": p["pipeline_cpu_efficiency"],
+    "swarm_tokens_per_s": p["swarm"]["tokens_per_s"],
+    "swarm_cpu_ms_per_1k_tokens": p["swarm"]["cpu_ms_per_1k_tokens"],
+}))
+"""
+
+
+def measure(tree: Path) -> dict[str, Any]:
+    """One measurement of the checkout at ``tree`` (its own node/, swarm/, protocol/)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1200,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("before")
+    p.add_argument("after", nargs="?", default="HEAD")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    sides: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        trees = {}
+        for side in sides:
+            rev = subprocess.run(
+                ["git", "rev-parse", "--short", getattr(args, side)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            trees[side] = (rev, Path(tmp) / side)
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", "-q", str(trees[side][1]), rev],
+                cwd=ROOT,
+                check=True,
+            )
+        try:
+            for i in range(args.rounds):
+                for side, (rev, tree) in trees.items():
+                    print(f"[ab] round {i + 1}: {side} ({rev})", file=sys.stderr, flush=True)
+                    sides[side].append(measure(tree))
+        finally:
+            for _, tree in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    result: dict[str, Any] = {"commits": {s: trees[s][0] for s in sides}, "runs": sides}
+    result["medians"] = {
+        side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for side, runs in sides.items()
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "ab.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["medians"], indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
