@@ -35,6 +35,7 @@ ENV_ALIASES = {"MURMUR_MALLOC_REUSE": "node.malloc_reuse"}
 SyncMethod = Literal["noloco", "diloco", "allreduce", "none"]
 RecoveryMethod = Literal["checkfree", "checkfree+", "checkpoint", "random"]
 BalancePolicy = Literal["throughput", "replicas"]
+OuterSchedule = Literal["clock", "steps"]
 ComputeDtype = Literal["float32", "bfloat16"]
 
 
@@ -161,6 +162,9 @@ class TrainConfig:
     """Artificial delay added to every forward (tests and benchmarks of slow peers)."""
     compute_delay_stages: tuple[int, ...] = ()
     """Stages the compute delay applies to; empty: every stage (emulates a costlier stage)."""
+    slowdown: float = 1.0
+    """Testbeds only: emulate a machine this many times slower (after each forward and
+    backward the compute thread sleeps slowdown - 1 times what the work took)."""
 
     def delay_on(self, stage: int) -> float:
         """The artificial delay per forward on ``stage`` (``compute_delay_s``, limited to
@@ -175,7 +179,16 @@ class SyncConfig:
     method: SyncMethod = "noloco"
     """How replicas of a stage stay together: noloco, diloco, allreduce (data parallel) or none."""
     outer_steps: int = 50
-    """H: inner steps between outer steps (noloco, diloco)."""
+    """H: inner steps between outer steps (noloco, diloco). On the clock schedule, the
+    derived round period is H times the median seconds per inner step of the stage."""
+    schedule: OuterSchedule = "clock"
+    """When outer rounds happen (noloco, diloco): clock (on a wall-clock grid shared by the
+    stage's replicas, so replicas of unequal speed still pair; a faster one takes more inner
+    steps per round) or steps (every H inner steps of each replica, as in the papers'
+    lockstep code: unequal replicas stop pairing). Clocks must agree to within sync.hold_s."""
+    round_s: float = 0.0
+    """Seconds per outer round on the clock schedule; 0: derived, H times the median of the
+    stage's seconds per inner step, rounded up to a power of two (at least 4 s)."""
     alpha: float = 0.5
     """NoLoCo outer momentum decay."""
     beta: float = 0.7
@@ -423,6 +436,10 @@ def _validate(c: Config) -> None:
         raise ValueError(f"balance.quality must be in (0, 1], got {c.balance.quality}")
     if c.sync.outer_steps < 1:
         raise ValueError(f"sync.outer_steps must be at least 1, got {c.sync.outer_steps}")
+    if c.train.slowdown < 1:
+        raise ValueError(f"train.slowdown must be at least 1, got {c.train.slowdown}")
+    if c.sync.round_s < 0:
+        raise ValueError(f"sync.round_s must be 0 (derived) or positive, got {c.sync.round_s}")
     if not _poison_spec_ok(c.sync.debug_poison):
         raise ValueError(
             f'sync.debug_poison must be "", "nan" or "scale:K", not {c.sync.debug_poison!r}'

@@ -166,6 +166,7 @@ class Node:
             head_backup_step=self.recovery.head_backup_step,
             data_shard=head.shard if head else -1,
             movable=self.balancer.movable,
+            step_s=r.step_s if r else 0.0,
         )
 
     def status(self) -> dict[str, Any]:

@@ -28,8 +28,9 @@ def format_status(st: dict[str, Any]) -> str:
         rounds = ", ".join(f"{k} {v}" for k, v in sorted(sync["rounds"].items())) or "none yet"
         per = sync["seconds_sum"] / sync["seconds_count"] if sync["seconds_count"] else 0.0
         spread = "-" if sync.get("spread_rms") is None else f"{sync['spread_rms']:.2e}"
+        every = f" every {sync['round_s']:g}s" if sync.get("round_s") else ""
         lines.append(
-            f"  sync {sync['method']}: {sync['outer_steps']} outer steps ({rounds}), "
+            f"  sync {sync['method']}{every}: {sync['outer_steps']} outer steps ({rounds}), "
             f"{per:.2f}s per round, spread to last partner {spread}, "
             f"{sync['bytes_sent'] / 1e6:.1f} MB sent, {sync['bytes_received'] / 1e6:.1f} MB received"
         )

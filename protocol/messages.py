@@ -69,6 +69,9 @@ class PeerRecord:
     """The train shard a head-stage peer reads (-1: not a head, or not chosen yet)."""
     movable: bool = False
     """True for a ``--stage auto`` block-stage peer that rebalancing may move."""
+    step_s: float = 0.0
+    """The peer's seconds per inner optimizer step (moving average), 0 until measured: its
+    stage derives the period of its outer rounds from it (``swarm.schedule``)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """Outer synchronisation of a stage's replicas, as the daemon runs it.
 
 NoLoCo (arXiv 2506.10911), DiLoCo (arXiv 2311.08105) or plain data parallelism; the update
-rules are ``swarm.outer``'s, the rules in words in ``docs/algorithms.md``.
+rules are ``swarm.outer``'s, the rules in words in ``docs/algorithms.md``. NoLoCo and DiLoCo
+rounds happen on a wall-clock grid shared by the stage's replicas (``sync.schedule =
+"clock"``, ``swarm.schedule``: replicas of unequal speed still meet), or every H inner steps
+of each replica (``"steps"``, the papers' lockstep rule); data parallel all-reduces at every
+inner step.
 
 Owns the glue between the runner (which holds its optimizer steps when a round is due,
 while forward and backward keep flowing) and the swarm services that move the bytes:
@@ -33,6 +37,7 @@ from node.stage.runner import StageRunner
 from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
+from swarm.schedule import round_period
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
 
@@ -76,6 +81,12 @@ class StageSync:
         self.last_partner: str | None = None
         self.running = False
         """A round is in progress (a stage move waits for it)."""
+        self.clocked = self.method in ("noloco", "diloco") and self.config.schedule == "clock"
+        self.period: float | None = None
+        """Seconds per round on the clock schedule (None until the stage's step times are
+        known, when derived)."""
+        self.last_round = -1
+        """The id of the last round started: a grid boundary in ms, or an outer step count."""
         self.gossip = GossipService(
             GossipConfig(
                 request_timeout_s=self.config.request_timeout_s,
@@ -130,20 +141,56 @@ class StageSync:
     # ---- rounds -------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Start a round if the runner has one due and none is running."""
-        if self.runner.sync_due is not None and not self.running and not self.ctx.state.leaving:
+        """Start a round if one is due (a grid boundary passed, or the runner counted H
+        steps or holds gradients for data parallel) and none is running."""
+        if self.running or self.ctx.state.leaving:
+            return
+        if self.clocked:
+            boundary = self._boundary_due()
+            if boundary is not None:
+                self.running = True
+                self.ctx.spawn(self._clock_round(boundary))
+        elif self.runner.sync_due is not None:
             self.running = True
-            self.ctx.spawn(self._round(self.runner.sync_due))
+            self.ctx.spawn(self._round(self.runner.sync_due, self.runner.outer_rounds))
 
-    async def _round(self, kind: str) -> None:
+    def _round_period(self) -> float | None:
+        """The clock schedule's period: set, or derived from the stage's step times."""
+        if self.config.round_s > 0:
+            return self.config.round_s
+        times = [p.step_s for p in self.ctx.table.replicas(self.stage)] + [self.runner.step_s]
+        self.period = round_period(times, self.config.outer_steps, self.period)
+        return self.period
+
+    def _boundary_due(self) -> int | None:
+        """The latest grid boundary (ms since the epoch) passed and not taken yet, if any. A
+        replica that starts serving skips the boundary already behind it."""
+        period = self._round_period()
+        if period is None:
+            return None
+        period_ms = round(period * 1000)
+        latest = int(time.time() * 1000) // period_ms * period_ms
+        if self.last_round < 0:
+            self.last_round = latest
+            return None
+        return latest if latest > self.last_round else None
+
+    async def _clock_round(self, boundary_ms: int) -> None:
+        self.last_round = boundary_ms
+        await self.runner.compute(self.runner.begin_outer)
+        await self._round("outer", boundary_ms)
+
+    async def _round(self, kind: str, round_id: int) -> None:
         t0 = time.monotonic()
+        if kind == "outer":
+            self.last_round = round_id
         try:
             if kind == "grads":
                 await self._allreduce_grads()
             elif self.method == "noloco":
-                await self._noloco()
+                await self._noloco(round_id)
             else:
-                await self._diloco()
+                await self._diloco(round_id)
         except Exception:
             self.rounds["failed"] += 1
             log.exception("outer round failed; continuing without it")
@@ -154,8 +201,7 @@ class StageSync:
             self.running = False
         self.poll()
 
-    async def _noloco(self) -> None:
-        round_ = self.runner.outer_rounds
+    async def _noloco(self, round_: int) -> None:
         tensors, meta = await self.runner.compute(self.runner.outer_contribution, self.config.codec)
         outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
         self.bytes_sent += _nbytes(tensors) * outcome.num_attempts
@@ -171,13 +217,13 @@ class StageSync:
             self.spread_rms, self.last_partner = spread, outcome.partner_id
             self.spread_sum += spread
             self.spread_count += 1
-            self.spread_history.append((round_, spread))
+            self.spread_history.append((self.runner.outer_rounds, spread))
             self.rounds["paired"] += 1
         else:
             self.rounds["solo"] += 1
         log.info(
-            "noloco round %d: %s%s",
-            round_,
+            "noloco outer step %d: %s%s",
+            self.runner.outer_rounds + 1,
             f"paired with {outcome.partner_id[:8]}, spread {spread:.2e}"
             if outcome.partner_id and spread is not None
             else "solo",
@@ -225,8 +271,8 @@ class StageSync:
             self.bytes_sent += self.ring.bytes_sent - sent0
             self.bytes_received += self.ring.bytes_received - recv0
 
-    async def _diloco(self) -> None:
-        round_id = f"diloco:{self.stage}:{self.runner.outer_rounds}"
+    async def _diloco(self, round_: int) -> None:
+        round_id = f"diloco:{self.stage}:{round_}"
         delta = await self.runner.compute(self.runner.outer_delta)
         mean = await self._ring_mean(round_id, delta)
         await self.runner.compute(self.runner.apply_diloco, mean)
@@ -239,7 +285,7 @@ class StageSync:
 
     def forget_stale_rounds(self) -> None:
         """Drop ring mailboxes of rounds this replica has passed (late or foreign chunks)."""
-        floors = {"diloco": self.runner.outer_rounds, "dp": self.runner.step}
+        floors = {"diloco": max(0, self.last_round), "dp": self.runner.step}
 
         def keep(round_id: str) -> bool:
             kind, _, number = _parse_round_id(round_id)
@@ -251,6 +297,8 @@ class StageSync:
         return {
             "method": self.method,
             "outer_steps": self.runner.outer_rounds,
+            "schedule": self.config.schedule if self.method in ("noloco", "diloco") else "steps",
+            "round_s": self._round_period() if self.clocked else None,
             "rounds": dict(self.rounds),
             "seconds_sum": round(self.seconds_sum, 3),
             "seconds_count": self.seconds_count,

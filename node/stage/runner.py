@@ -107,6 +107,9 @@ class StageRunner:
         self.sync_due: str | None = None
         self.pending_grads: torch.Tensor | None = None
         self.outer_rounds = 0
+        self.step_s = 0.0
+        """Seconds per inner step (moving average; rounds excluded), 0 until measured."""
+        self._last_step_t: float | None = None
         self.lr_scale = 1.0
         self.outer: OuterState
         self._saved: dict[str, _Saved] = {}
@@ -262,8 +265,13 @@ class StageRunner:
             self.hold, self.sync_due = True, "grads"
             return
         self._optimizer_step()
-        if self.sync.method in ("noloco", "diloco") and self.step % self.sync.outer_steps == 0:
+        by_steps = self.sync.method in ("noloco", "diloco") and self.sync.schedule == "steps"
+        if by_steps and self.step % self.sync.outer_steps == 0:
             self.hold, self.sync_due = True, "outer"
+
+    def begin_outer(self) -> None:
+        """A clock-scheduled outer round starts now: hold optimizer steps until it ends."""
+        self.hold, self.sync_due = True, "outer"
 
     def _take_grads(self) -> torch.Tensor:
         """The accumulated mean gradient as one flat vector; accumulation starts afresh."""
@@ -301,6 +309,15 @@ class StageRunner:
             for p, held in zip(params, kept, strict=True):
                 p.grad = held
         self.step += 1
+        self._time_step()
+
+    def _time_step(self) -> None:
+        """Update ``step_s`` with the time since the previous step (or since a round ended)."""
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            elapsed = now - self._last_step_t
+            self.step_s = elapsed if not self.step_s else 0.8 * self.step_s + 0.2 * elapsed
+        self._last_step_t = now
 
     # ---- outer synchronisation (NoLoCo, DiLoCo, data parallel) ----------------------------
 
@@ -354,6 +371,7 @@ class StageRunner:
         self.hold, self.sync_due, self.pending_grads = False, None, None
         if outer:
             self.outer_rounds += 1
+        self._last_step_t = time.monotonic()  # a round's wait is not an inner step's time
         self._maybe_step()
 
     def _observe_activations(self, out: torch.Tensor) -> None:
@@ -372,8 +390,12 @@ class StageRunner:
         self._recent_samples, self._recent_s = rate * weight_s, weight_s if rate > 0 else 0.0
 
     def _account(self, t0: float, num_samples: int) -> None:
-        """Track compute time and finished samples (decayed sums for the service rate)."""
+        """Track compute time and finished samples (decayed sums for the service rate); on
+        an emulated slower machine (``train.slowdown``), first take that much longer."""
         elapsed = time.perf_counter() - t0
+        if self.train.slowdown > 1:
+            time.sleep((self.train.slowdown - 1) * elapsed)
+            elapsed = time.perf_counter() - t0
         self.compute_s += elapsed
         self._recent_s = RATE_DECAY * self._recent_s + elapsed
         self._recent_samples = RATE_DECAY * self._recent_samples + num_samples

@@ -74,11 +74,13 @@ def measure_block_rate(config: Config, budget_s: float) -> float:
 
 
 def with_delay(rate: float, config: Config, stage: int) -> float:
-    """A block rate slowed by the stage's artificial delay (one per microbatch forward)."""
+    """A block rate slowed as configured: the stage's artificial delay (one per microbatch
+    forward) and the emulated slowdown."""
     delay = config.train.delay_on(stage)
-    if rate <= 0 or not delay:
+    if rate <= 0:
         return rate
-    return config.data.batch_size / (config.data.batch_size / rate + delay)
+    rate /= config.train.slowdown
+    return config.data.batch_size / (config.data.batch_size / rate + delay) if delay else rate
 
 
 def cached_or_measured_rate(config: Config, cache: Path | None) -> float:

@@ -1,0 +1,243 @@
+"""NoLoCo between replicas of unequal speed: do they still pair, and at what cost?
+
+The swarm, real ``node join`` processes on 127.0.0.1: one head; block stage 1 with four
+replicas, two at full speed, one 2x and one 4x slower (``train.slowdown``: after each piece
+of work their compute thread sleeps once or three times what it took, as a slower machine
+would take longer); block stage 2 with four equal replicas, the control. The same swarm runs once per
+outer schedule (``sync.schedule``):
+
+- ``steps``: a round is a replica's outer step after every H inner steps, and only
+  replicas at the same round pair (the papers' lockstep rule, and this project's before);
+- ``clock``: rounds on a wall-clock grid shared by the stage (``swarm.schedule``), so a
+  faster replica takes more inner steps per round and every replica meets the others.
+
+For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
+steps per second, and its service rate (how much slower it is); for each stage: the mean of
+the replicas' RMS spread to their partners at pairing (NoLoCo's gauge) and, at the end, the
+RMS distance of each replica's slow weights from the stage's mean. Targets (issue 20): on the
+clock schedule at least 90 % of rounds paired on every replica, the fast replicas not held to
+the slowest one's pace, and stage 1's spread at most 2x stage 2's.
+
+Writes ``bench/results/sync_unequal.json`` and ``sync_unequal.png``.
+Usage: ``python -m bench.sync_unequal [--minutes 10] [--round-s 64]``; ``--quick`` for the
+few-minute version the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.client import fetch_status
+from node.demo import LocalSwarm, wait_ready
+from node.stage.export import fetch_stage_state
+
+RESULTS = Path(__file__).parent / "results"
+SCHEDULES = ("steps", "clock")
+SPEEDS = {"fast-a": 0, "fast-b": 0, "slow2": 2, "slow4": 4}
+"""Stage-1 replicas: name -> how many times slower (0: full speed)."""
+CONTROL = ("equal-a", "equal-b", "equal-c", "equal-d")
+"""Stage-2 replicas, all at full speed."""
+COMMON = {
+    "node.join_wait_s": "1.0",
+    "membership.ttl_s": "6",
+    "train.eval_interval_s": "0",
+    "train.hop_timeout_s": "10",
+    "train.microbatch_deadline_s": "60",
+    "swarm.num_block_stages": "2",
+    "sync.method": "noloco",
+    "balance.benchmark_s": "0",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[sync_unequal {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
+
+
+def settings(args: argparse.Namespace, schedule: str) -> dict[str, str]:
+    out = {
+        **COMMON,
+        "sync.schedule": schedule,
+        "sync.outer_steps": str(args.outer_steps),
+        "train.step_samples": str(args.step_samples),
+        "train.max_in_flight": str(args.max_in_flight),
+    }
+    if args.round_s:
+        out["sync.round_s"] = str(args.round_s)
+    return out
+
+
+def spread_of(states: list[torch.Tensor]) -> float:
+    """RMS distance of each replica's slow weights from their mean, averaged."""
+    mean = torch.stack(states).mean(0)
+    return statistics.mean(float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states)
+
+
+def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, address in addresses.items():
+        st = fetch_status(address)
+        sync = st.get("sync") or {}
+        out[name] = {
+            "step": st["step"],
+            "throughput": st["throughput"],
+            "rounds": dict(sync.get("rounds", {})),
+            "spread_rms_mean": sync.get("spread_rms_mean"),
+            "round_s": sync.get("round_s"),
+        }
+    return out
+
+
+def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    swarm = LocalSwarm(log_dir, settings(args, schedule))
+    try:
+        head = swarm.start_node(0)
+        wait_ready(head, 120, swarm)
+        stage1 = {}
+        for name, slower in SPEEDS.items():
+            extra = ["--set", f"train.slowdown={slower}"] if slower else []
+            stage1[name] = swarm.start_node(1, extra=extra)
+        stage2 = {name: swarm.start_node(2) for name in CONTROL}
+        everyone = {**stage1, **stage2}
+        for address in everyone.values():
+            wait_ready(address, 120, swarm)
+        log(f"{schedule}: all {len(everyone) + 1} nodes serving; {args.minutes:g} min")
+        t0 = time.monotonic()
+        start = snapshot(everyone)
+        time.sleep(args.minutes * 60)
+        if swarm.dead():
+            raise RuntimeError(f"nodes died: {swarm.dead()}; logs in {log_dir}")
+        end = snapshot(everyone)
+        wall_s = time.monotonic() - t0
+        phis = {
+            name: fetch_stage_state(a, 1 if name in stage1 else 2).tensors["outer.phi"].clone()
+            for name, a in everyone.items()
+        }
+    finally:
+        swarm.stop()
+    replicas = {}
+    for name in everyone:
+        rounds = {
+            k: end[name]["rounds"].get(k, 0) - start[name]["rounds"].get(k, 0)
+            for k in set(end[name]["rounds"]) | set(start[name]["rounds"])
+        }
+        total = sum(rounds.values())
+        steps = end[name]["step"] - start[name]["step"]
+        replicas[name] = {
+            "stage": 1 if name in stage1 else 2,
+            "slower": SPEEDS.get(name, 0),
+            "rounds": rounds,
+            "paired_share": rounds.get("paired", 0) / total if total else 0.0,
+            "inner_steps": steps,
+            "steps_per_s": steps / wall_s,
+            "service_rate": end[name]["throughput"],
+            "spread_rms_mean": end[name]["spread_rms_mean"],
+            "round_s": end[name]["round_s"],
+        }
+    stages = {}
+    for stage, names in ((1, list(stage1)), (2, list(stage2))):
+        means = [replicas[n]["spread_rms_mean"] for n in names if replicas[n]["spread_rms_mean"]]
+        stages[str(stage)] = {
+            "spread_rms_mean": statistics.mean(means) if means else None,
+            "spread_from_mean_at_end": spread_of([phis[n] for n in names]),
+            "min_paired_share": min(replicas[n]["paired_share"] for n in names),
+        }
+    fast = statistics.mean(replicas[n]["steps_per_s"] for n in ("fast-a", "fast-b"))
+    result = {
+        "schedule": schedule,
+        "wall_s": round(wall_s, 1),
+        "replicas": replicas,
+        "stages": stages,
+        "fast_over_slowest_steps": fast / max(1e-9, replicas["slow4"]["steps_per_s"]),
+        "speed_ratios": {
+            n: replicas["fast-a"]["service_rate"] / max(1e-9, replicas[n]["service_rate"])
+            for n in SPEEDS
+        },
+    }
+    s1, s2 = stages["1"], stages["2"]
+    if s1["spread_rms_mean"] and s2["spread_rms_mean"]:
+        result["spread_ratio_to_equal"] = s1["spread_rms_mean"] / s2["spread_rms_mean"]
+    log(
+        f"{schedule}: min paired share stage 1 {s1['min_paired_share']:.2f}, "
+        f"stage 2 {s2['min_paired_share']:.2f}; spread ratio "
+        f"{result.get('spread_ratio_to_equal', math.nan):.2f}; fast/slow4 steps "
+        f"{result['fast_over_slowest_steps']:.1f}"
+    )
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    names = list(SPEEDS) + list(CONTROL)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(runs)
+    for i, run_ in enumerate(runs):
+        xs = [j + i * width for j in range(len(names))]
+        axes[0].bar(
+            xs, [run_["replicas"][n]["paired_share"] for n in names], width, label=run_["schedule"]
+        )
+        axes[1].bar(
+            xs, [run_["replicas"][n]["steps_per_s"] for n in names], width, label=run_["schedule"]
+        )
+    for ax, title in ((axes[0], "share of rounds paired"), (axes[1], "inner steps per second")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
+        ax.set_xticklabels(names, rotation=30, fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].axhline(0.9, color="grey", lw=0.8, ls="--")
+    fig.suptitle("NoLoCo, stage 1: two fast, one 2x and one 4x slower; stage 2: four equal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0, help="measured minutes per schedule")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="which schedules to run")
+    p.add_argument("--outer-steps", type=int, default=10, help="H (default 10)")
+    p.add_argument("--step-samples", type=int, default=256, help="samples per inner step")
+    p.add_argument("--round-s", type=float, default=64.0, help="clock period (0: derived)")
+    p.add_argument("--max-in-flight", type=int, default=8)
+    p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.minutes, args.outer_steps, args.step_samples, args.round_s = 3.0, 4, 16, 0.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="sync-unequal-") as tmp:
+        for schedule in args.schedules.split(","):
+            log_dir = Path(tmp) / schedule
+            log_dir.mkdir()
+            runs.append(run(schedule, args, log_dir))
+    result = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs}
+    result["settings"]["out"] = str(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "sync_unequal-quick" if args.quick else "sync_unequal"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.no_plot:
+        plot(result, args.out / f"{name}.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()

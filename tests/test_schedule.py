@@ -1,0 +1,49 @@
+"""The clock schedule of outer rounds (``swarm.schedule``) against hand-computed values."""
+
+import pytest
+
+from swarm.schedule import next_boundary, power_of_two_at_least, round_period
+
+
+def test_power_of_two_at_least() -> None:
+    assert power_of_two_at_least(5.0) == 8.0
+    assert power_of_two_at_least(8.0) == 8.0
+    assert power_of_two_at_least(8.01) == 16.0
+    assert power_of_two_at_least(0.3) == 4.0  # never below MIN_PERIOD_S
+    assert power_of_two_at_least(60.0) == 64.0
+
+
+def test_period_is_h_times_the_median_step_rounded_up() -> None:
+    # H = 10; steps of 0.5, 1.0 and 2.0 s (1x, 2x, 4x slower): median 1.0 -> 10 s -> 16 s
+    assert round_period([0.5, 1.0, 2.0], 10) == 16.0
+    # replicas not measured yet (0) do not count; none measured: no period yet
+    assert round_period([0.0, 0.5, 0.0], 10) == 8.0
+    assert round_period([0.0, 0.0], 10) is None
+    assert round_period([], 10, current_s=4.0) == 4.0
+
+
+def test_period_keeps_its_value_inside_the_hysteresis_band() -> None:
+    # current 16 s: kept while H * median stays in [0.375 * 16, 1.25 * 16] = [6, 20]
+    assert round_period([0.61], 10, current_s=16.0) == 16.0
+    assert round_period([1.99], 10, current_s=16.0) == 16.0
+    assert round_period([2.01], 10, current_s=16.0) == 32.0  # 20.1 s -> 32
+    assert round_period([0.59], 10, current_s=16.0) == 8.0  # 5.9 s -> 8
+    # without hysteresis 1.7 s steps would flip between 16 and 32 as the median wobbles
+    assert round_period([1.7], 10) == 32.0 and round_period([1.5], 10) == 16.0
+
+
+def test_boundaries_are_multiples_of_the_period_and_only_move_forward() -> None:
+    assert next_boundary(100.0, 8.0) == 104_000
+    assert next_boundary(104.0, 8.0) == 104_000
+    assert next_boundary(104.0, 8.0, after_ms=104_000) == 112_000
+    # the period halves after round 112 s: the next boundary is still later than 112 s
+    assert next_boundary(110.0, 4.0, after_ms=112_000) == 116_000
+
+
+@pytest.mark.parametrize("fine,coarse", [(4.0, 8.0), (8.0, 32.0), (4.0, 64.0)])
+def test_power_of_two_grids_nest(fine: float, coarse: float) -> None:
+    """Two replicas that briefly disagree about the period still share the coarse grid."""
+    t = 1_763_900_000.0  # an hour of boundaries in 2025
+    coarse_ms = {next_boundary(t + i * coarse, coarse) for i in range(int(3600 / coarse))}
+    fine_ms = {next_boundary(t + i * fine, fine) for i in range(int(3600 / fine) + 1)}
+    assert coarse_ms <= fine_ms

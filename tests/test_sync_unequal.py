@@ -1,0 +1,31 @@
+"""NoLoCo between replicas of unequal speed, real processes (the short ``bench.sync_unequal``).
+
+One head; block stage 1 with two full-speed replicas, one 2x and one 4x slower
+(``train.slowdown``); block stage 2 with four equal replicas. On the clock schedule every
+replica pairs in at least 90 % of its rounds, the fast replicas are not held to the slowest
+one's pace, and stage 1's spread stays within 2x of the equal stage's. (On the old H-step
+schedule the fast replicas were held to the slowest one's pace with short rounds and ended
+every round solo with long ones: ``bench/README.md``.)
+"""
+
+from pathlib import Path
+
+import pytest
+
+from bench.sync_unequal import SPEEDS, main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_unequal_replicas_keep_pairing_on_the_clock_schedule(tmp_path: Path) -> None:
+    result = main(["--quick", "--schedules", "clock", "--no-plot", "--out", str(tmp_path)])
+    run = result["runs"][0]
+    shares = {name: r["paired_share"] for name, r in run["replicas"].items()}
+    rounds = {name: sum(r["rounds"].values()) for name, r in run["replicas"].items()}
+    assert min(rounds.values()) >= 20, rounds  # 3 minutes of 4 s rounds
+    assert min(shares.values()) >= 0.9, shares
+    slower = {name: run["speed_ratios"][name] for name in SPEEDS}
+    assert slower["slow4"] > 2.5 and slower["slow2"] > 1.5, slower  # the emulation works
+    assert run["fast_over_slowest_steps"] >= 2.0, run["fast_over_slowest_steps"]
+    assert run["spread_ratio_to_equal"] <= 2.0, run["stages"]
+    assert (tmp_path / "sync_unequal-quick.json").is_file()
