@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from node.client import fetch_status
+from node.config import parse_sets
 from node.demo import LocalSwarm, wait_ready
 
 RESULTS = Path(__file__).parent / "results"
@@ -76,6 +77,7 @@ def run(
         "recovery.method": method,
         "recovery.checkpoint_dir": str(log_dir / f"{method}-ckpt"),
         "train.eval_interval_s": str(args.eval_s),
+        **parse_sets(args.set),
     }
     swarm = LocalSwarm(log_dir / method, settings)
     swarm.log_dir.mkdir(parents=True)
@@ -322,6 +324,13 @@ def main() -> None:
         "--summary", nargs="+", metavar="NAME", help="compare the named runs in one figure"
     )
     p.add_argument("--targets", default="2.5,2.3,2.2", help="eval losses the summary times")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a setting of every node, e.g. recovery.lr_boost_steps=100 (repeatable)",
+    )
     args = p.parse_args()
     if args.p is None:
         args.p = (10.0 if args.per_hour is None else args.per_hour) * P_PER_PERCENT_HOUR
@@ -358,6 +367,7 @@ def main() -> None:
             **COMMON,
             "swarm.num_block_stages": str(args.stages),
             "model.num_blocks": str(args.stages),
+            **parse_sets(args.set),
         },
         "methods": {},
     }

@@ -9,12 +9,15 @@ outer schedule (``sync.schedule``):
 - ``steps``: a round is a replica's outer step after every H inner steps, and only
   replicas at the same round pair (the papers' lockstep rule, and this project's before);
 - ``clock``: rounds on a wall-clock grid shared by the stage (``swarm.schedule``), so a
-  faster replica takes more inner steps per round and every replica meets the others.
+  faster replica takes more inner steps per round and every replica meets the others, with
+  every pseudo-gradient on one scale (``swarm.outer.scale_by_steps``);
+- ``clock_unscaled``: the same without that scaling (``sync.scale_by_steps = false``).
 
 For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
-steps per second, and its service rate (how much slower it is); for each stage: the mean of
-the replicas' RMS spread to their partners at pairing (NoLoCo's gauge) and, at the end, the
-RMS distance of each replica's slow weights from the stage's mean. Targets (issue 20): on the
+steps per second, and its service rate (how much slower it is); for each stage: its spread,
+the RMS distance of each replica's slow weights from the stage's mean (what NoLoCo's
+reference logs), sampled every ``--sample-s`` seconds and averaged, and the mean RMS distance
+to the partner at pairing (the daemon's gauge). Targets (issue 20): on the
 clock schedule at least 90 % of rounds paired on every replica, the fast replicas not held to
 the slowest one's pace, and stage 1's spread at most 2x stage 2's.
 
@@ -37,12 +40,18 @@ from typing import Any
 
 import torch
 
-from node.client import fetch_status
+from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 
 RESULTS = Path(__file__).parent / "results"
-SCHEDULES = ("steps", "clock")
+VARIANTS = {
+    "steps": {"sync.schedule": "steps"},
+    "clock": {"sync.schedule": "clock"},
+    "clock_unscaled": {"sync.schedule": "clock", "sync.scale_by_steps": "false"},
+}
+"""What is compared: the H-step rule, the clock schedule, and the clock schedule without
+pseudo-gradients on one scale (``swarm.outer.scale_by_steps``)."""
 SPEEDS = {"fast-a": 0, "fast-b": 0, "slow2": 2, "slow4": 4}
 """Stage-1 replicas: name -> how many times slower (0: full speed)."""
 CONTROL = ("equal-a", "equal-b", "equal-c", "equal-d")
@@ -63,10 +72,10 @@ def log(msg: str) -> None:
     print(f"[sync_unequal {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
 
 
-def settings(args: argparse.Namespace, schedule: str) -> dict[str, str]:
+def settings(args: argparse.Namespace, variant: str) -> dict[str, str]:
     out = {
         **COMMON,
-        "sync.schedule": schedule,
+        **VARIANTS[variant],
         "sync.outer_steps": str(args.outer_steps),
         "train.step_samples": str(args.step_samples),
         "train.max_in_flight": str(args.max_in_flight),
@@ -80,6 +89,10 @@ def spread_of(states: list[torch.Tensor]) -> float:
     """RMS distance of each replica's slow weights from their mean, averaged."""
     mean = torch.stack(states).mean(0)
     return statistics.mean(float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states)
+
+
+def slow_weights(address: str, stage: int) -> torch.Tensor:
+    return fetch_stage_state(address, stage).tensors["outer.phi"].clone()
 
 
 def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -113,15 +126,18 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         log(f"{schedule}: all {len(everyone) + 1} nodes serving; {args.minutes:g} min")
         t0 = time.monotonic()
         start = snapshot(everyone)
-        time.sleep(args.minutes * 60)
-        if swarm.dead():
-            raise RuntimeError(f"nodes died: {swarm.dead()}; logs in {log_dir}")
+        samples: dict[str, list[float]] = {"1": [], "2": []}
+        while time.monotonic() - t0 < args.minutes * 60:
+            time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 - (time.monotonic() - t0))))
+            if swarm.dead():
+                raise RuntimeError(f"nodes died: {swarm.dead()}; logs in {log_dir}")
+            for stage, names in (("1", stage1), ("2", stage2)):
+                samples[stage].append(
+                    spread_of([slow_weights(everyone[n], int(stage)) for n in names])
+                )
         end = snapshot(everyone)
         wall_s = time.monotonic() - t0
-        phis = {
-            name: fetch_stage_state(a, 1 if name in stage1 else 2).tensors["outer.phi"].clone()
-            for name, a in everyone.items()
-        }
+        eval_loss = request_eval(head)
     finally:
         swarm.stop()
     replicas = {}
@@ -140,21 +156,23 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "inner_steps": steps,
             "steps_per_s": steps / wall_s,
             "service_rate": end[name]["throughput"],
-            "spread_rms_mean": end[name]["spread_rms_mean"],
+            "partner_distance_mean": end[name]["spread_rms_mean"],
             "round_s": end[name]["round_s"],
         }
     stages = {}
     for stage, names in ((1, list(stage1)), (2, list(stage2))):
-        means = [replicas[n]["spread_rms_mean"] for n in names if replicas[n]["spread_rms_mean"]]
+        means = [d for n in names if (d := replicas[n]["partner_distance_mean"])]
         stages[str(stage)] = {
-            "spread_rms_mean": statistics.mean(means) if means else None,
-            "spread_from_mean_at_end": spread_of([phis[n] for n in names]),
+            "spread": statistics.mean(samples[str(stage)]),
+            "spread_samples": samples[str(stage)],
+            "partner_distance_mean": statistics.mean(means) if means else None,
             "min_paired_share": min(replicas[n]["paired_share"] for n in names),
         }
     fast = statistics.mean(replicas[n]["steps_per_s"] for n in ("fast-a", "fast-b"))
     result = {
         "schedule": schedule,
         "wall_s": round(wall_s, 1),
+        "eval_loss": eval_loss,
         "replicas": replicas,
         "stages": stages,
         "fast_over_slowest_steps": fast / max(1e-9, replicas["slow4"]["steps_per_s"]),
@@ -164,8 +182,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         },
     }
     s1, s2 = stages["1"], stages["2"]
-    if s1["spread_rms_mean"] and s2["spread_rms_mean"]:
-        result["spread_ratio_to_equal"] = s1["spread_rms_mean"] / s2["spread_rms_mean"]
+    result["spread_ratio_to_equal"] = s1["spread"] / s2["spread"]
     log(
         f"{schedule}: min paired share stage 1 {s1['min_paired_share']:.2f}, "
         f"stage 2 {s2['min_paired_share']:.2f}; spread ratio "
@@ -207,17 +224,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="measured minutes per schedule")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="which schedules to run")
+    p.add_argument(
+        "--schedules", default="steps,clock,clock_unscaled", help="variants: " + ",".join(VARIANTS)
+    )
     p.add_argument("--outer-steps", type=int, default=10, help="H (default 10)")
     p.add_argument("--step-samples", type=int, default=256, help="samples per inner step")
     p.add_argument("--round-s", type=float, default=64.0, help="clock period (0: derived)")
     p.add_argument("--max-in-flight", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=60.0, help="seconds between spread samples")
     p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.minutes, args.outer_steps, args.step_samples, args.round_s = 3.0, 4, 16, 0.0
+        args.sample_s = 15.0
     return args
 
 

@@ -158,6 +158,12 @@ class TrainConfig:
     """Seconds between evaluations on the held-out split (head nodes); 0 disables."""
     eval_batches: int = 4
     """Microbatches per evaluation."""
+    spike_grad_multiple: float = 10.0
+    """Skip an inner step whose gradient norm before clipping is above this multiple of its
+    running average (after 20 steps), or not finite (0: only the non-finite ones)."""
+    spike_loss_multiple: float = 1.5
+    """Head stage: train on no microbatch whose loss is above this multiple of its running
+    average (after 20 microbatches), or not finite (0: only the non-finite ones)."""
     compute_delay_s: float = 0.0
     """Artificial delay added to every forward (tests and benchmarks of slow peers)."""
     compute_delay_stages: tuple[int, ...] = ()
@@ -186,6 +192,11 @@ class SyncConfig:
     stage's replicas, so replicas of unequal speed still pair; a faster one takes more inner
     steps per round) or steps (every H inner steps of each replica, as in the papers'
     lockstep code: unequal replicas stop pairing). Clocks must agree to within sync.hold_s."""
+    scale_by_steps: bool = True
+    """NoLoCo on the clock schedule: take a pair's mean pseudo-gradient as its pooled
+    displacement per inner step times the stage's usual steps per round (at most 4x), so
+    pairs of fast and of slow replicas move their slow weights alike (equal replicas: the
+    published rule)."""
     round_s: float = 0.0
     """Seconds per outer round on the clock schedule; 0: derived, H times the median of the
     stage's seconds per inner step, rounded up to a power of two (at least 4 s)."""
@@ -238,6 +249,10 @@ class RecoveryConfig:
     stage with the most replicas moves there."""
     lr_scale: float = 1.1
     """Learning-rate multiplier of a rebuilt replica's fresh Adam (CheckFree: 1.1)."""
+    lr_boost_steps: int = 0
+    """Inner steps the rebuilt replica's learning-rate boost lasts; 0: for good (as CheckFree's
+    reference code has it; its paper's text says for a number of steps). Replicas that copy a
+    rebuilt one take over its schedule."""
     head_backup_every: int = 20
     """CheckFree+: head nodes copy their weights to stage-1 replicas every this many steps."""
     checkpoint_every: int = 50
@@ -436,6 +451,10 @@ def _validate(c: Config) -> None:
         raise ValueError(f"balance.quality must be in (0, 1], got {c.balance.quality}")
     if c.sync.outer_steps < 1:
         raise ValueError(f"sync.outer_steps must be at least 1, got {c.sync.outer_steps}")
+    if c.train.spike_grad_multiple < 0 or c.train.spike_loss_multiple < 0:
+        raise ValueError("train.spike_grad_multiple and spike_loss_multiple must be >= 0")
+    if c.recovery.lr_boost_steps < 0:
+        raise ValueError(f"recovery.lr_boost_steps must be >= 0, got {c.recovery.lr_boost_steps}")
     if c.train.slowdown < 1:
         raise ValueError(f"train.slowdown must be at least 1, got {c.train.slowdown}")
     if c.sync.round_s < 0:

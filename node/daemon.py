@@ -204,6 +204,10 @@ class Node:
             "grad_norm": r.thermo.grad_norm if r else 0.0,
             "act_max": r.thermo.act_max if r else 0.0,
             "act_min": r.thermo.act_min if r else 0.0,
+            "grad_norm_preclip": r.thermo.grad_norm_preclip if r else 0.0,
+            "attn_logit_max": {str(k): v for k, v in r.thermo.attn_logit_max.items()} if r else {},
+            "steps_skipped": r.grad_guard.num_spikes if r else 0,
+            "lr_scale": r.current_lr_scale() if r else 1.0,
             "counters": self._counters_with_table(),
             "peers": peers,
         }

@@ -17,6 +17,8 @@ def format_status(st: dict[str, Any]) -> str:
         f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
         f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
     ]
+    if st["stage"] >= 0 and st["ready"]:
+        lines.append(_thermometers(st))
     if st["stage"] == 0:
         loss = "-" if st.get("loss") is None else f"{st['loss']:.3f}"
         ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"
@@ -82,3 +84,17 @@ def format_profile(p: dict[str, Any], top: int) -> str:
             f"  {op['op'][:52]:<52} {op['calls']:>8} {op['self_cpu_s']:>11.3f} {share:>6.1f}%"
         )
     return "\n".join(lines)
+
+
+def _thermometers(st: dict[str, Any]) -> str:
+    """YaLM's thermometers of the node's stage, one line."""
+    logits = st.get("attn_logit_max") or {}
+    top = f", max attention logit {max(logits.values()):.1f}" if logits else ""
+    skipped = st.get("steps_skipped", 0)
+    scale = st.get("lr_scale", 1.0)
+    return (
+        f"  thermometers: grad norm {st.get('grad_norm_preclip', 0.0):.3g} before clipping, "
+        f"activations [{st['act_min']:.3g}, {st['act_max']:.3g}]{top}"
+        + (f", {skipped} step(s) skipped as spikes" if skipped else "")
+        + (f", learning rate x{scale:g}" if scale != 1.0 else "")
+    )

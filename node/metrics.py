@@ -56,6 +56,10 @@ _NAMED_COUNTERS = {
     "job_errors": ("murmur_job_errors", "Queued compute jobs that raised."),
     "send_errors": ("murmur_send_errors", "Sends that raised after their computation."),
     "non_finite_loss": ("murmur_non_finite_loss", "Microbatches whose loss was NaN or infinite."),
+    "loss_spikes_skipped": (
+        "murmur_loss_spikes_skipped",
+        "Microbatches not trained on: their loss spiked or was not finite (counted as dropped).",
+    ),
     "peers_banned": ("murmur_peers_banned", "Peers banned for sending poisoned weights."),
     "peers_refused_table_full": (
         "murmur_peers_refused_table_full",
@@ -195,6 +199,32 @@ def _stage_families(st: dict[str, Any]) -> Iterator[Metric]:
     yield _gauge(
         "murmur_grad_norm", "Latest gradient norm after clipping (thermometer).", st["grad_norm"], s
     )
+    yield _gauge(
+        "murmur_grad_norm_preclip",
+        "Latest gradient norm before clipping (thermometer: a runaway shows here).",
+        _num(st.get("grad_norm_preclip", 0.0)),
+        s,
+    )
+    yield _counter(
+        "murmur_inner_steps_skipped",
+        "Inner steps skipped: their gradient norm spiked or was not finite.",
+        st.get("steps_skipped", 0),
+        s,
+    )
+    yield _gauge(
+        "murmur_lr_scale",
+        "Learning-rate multiplier now (CheckFree's boost).",
+        st.get("lr_scale", 1.0),
+        s,
+    )
+    logits = GaugeMetricFamily(
+        "murmur_attention_logit_max",
+        "Largest pre-softmax attention score per block, sampled (thermometer).",
+        labels=["stage", "block"],
+    )
+    for block, value in sorted(st.get("attn_logit_max", {}).items(), key=lambda kv: int(kv[0])):
+        logits.add_metric([s, str(block)], _num(value))
+    yield logits
     yield _gauge(
         "murmur_activation_max", "Latest maximum output activation (thermometer).", st["act_max"], s
     )

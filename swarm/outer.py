@@ -60,14 +60,17 @@ def noloco_outer_step(
     momentum: torch.Tensor,
     partners: Sequence[tuple[torch.Tensor, torch.Tensor]],
     config: NoLoCoConfig = NoLoCoConfig(),  # noqa: B008 - frozen, immutable default
+    own_scale: float = 1.0,
 ) -> None:
     """Apply NoLoCo's outer step in place on ``theta``, ``phi`` and ``momentum``.
 
     ``partners`` holds ``(d_j, phi_j)`` of the other members of the group, with
-    ``d_j = theta_j - phi_j``; empty for a solo step.
+    ``d_j = theta_j - phi_j``; empty for a solo step. ``own_scale`` multiplies this
+    replica's own ``theta - phi`` in the mean (1: the published rule; see
+    ``scale_by_steps``, whose factor the caller applies to the partners' ``d_j`` too).
     """
     size = 1 + len(partners)
-    g_bar = theta - phi
+    g_bar = (theta - phi) * own_scale
     phi_bar = phi.clone()
     for d_j, phi_j in partners:
         g_bar += d_j
@@ -78,6 +81,30 @@ def noloco_outer_step(
     momentum.add_(phi_bar - phi, alpha=config.gamma)
     phi.add_(momentum)
     theta.copy_(phi)
+
+
+MAX_STEP_SCALE = 4.0
+"""The most ``scale_by_steps`` enlarges a pseudo-gradient: a replica that took few inner
+steps in a round has a noisy one, and scaling amplifies that noise."""
+
+
+def scale_by_steps(steps: float, ref_steps: float) -> float:
+    """The factor that expresses a group's mean pseudo-gradient, over ``steps`` inner steps
+    per member on average, as one over ``ref_steps``: ``ref_steps / steps``, at most
+    ``MAX_STEP_SCALE`` (0 for no steps: there is no displacement to contribute).
+
+    Our departure from NoLoCo for replicas of unequal speed (``docs/algorithms.md`` section
+    4): on a shared clock a fast replica takes more inner steps per round than a slow one,
+    so pairs of fast replicas would move their slow weights much further than pairs of slow
+    ones, and the stage's replicas would spread apart between pairings. With this factor the
+    group's ``g_bar`` is its total displacement per inner step (the members' displacements
+    pooled, so a member's share grows with the steps behind it, as FedAvg weights clients by
+    their data) times the stage's usual steps per round: every pair moves its slow weights
+    on the same scale. For equal replicas ``steps == ref_steps`` and the factor is 1: the
+    published rule."""
+    if steps <= 0 or ref_steps <= 0:
+        return 0.0 if steps <= 0 else 1.0
+    return min(MAX_STEP_SCALE, ref_steps / steps)
 
 
 def diloco_outer_step(

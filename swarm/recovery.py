@@ -13,8 +13,9 @@ neighbour is also gone, the nearest live block stage on that side stands in. The
 needs block stages on both sides; for a boundary stage (1 or N) plain CheckFree copies its
 one live neighbour, and **CheckFree+** does better: the router swaps stages 1 and 2, and
 N-1 and N, on every odd microbatch, so each learns its partner's job, and a lost boundary
-stage is rebuilt by copying its swap partner. CheckFree+ needs N >= 4 so the swaps do not
-overlap.
+stage is rebuilt by copying its swap partner (1 from 2 and 2 from 1, N from N-1 and N-1
+from N: each of the four has learned its partner's job). CheckFree+ needs N >= 4 so the
+swaps do not overlap.
 
 Pure functions: stage tables in, plans out. Fetching weights and applying them is the
 daemon's job (``node.services.recovery``).
@@ -91,7 +92,7 @@ def plan_recovery(
         return RecoveryPlan(stage, "seed")
     n = num_block_stages
     partner = swap_partner(stage, n) if method == "checkfree+" else None
-    if partner is not None and (stage in (1, n)) and live.get(partner):
+    if partner is not None and live.get(partner):
         return RecoveryPlan(stage, "swap_copy", (Source(partner, 1.0),))
     below = next((s for s in range(stage - 1, 0, -1) if live.get(s)), None)
     above = next((s for s in range(stage + 1, n + 1) if live.get(s)), None)

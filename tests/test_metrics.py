@@ -64,6 +64,11 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_job_errors": ("counter", set()),
     "murmur_send_errors": ("counter", set()),
     "murmur_non_finite_loss": ("counter", set()),
+    "murmur_loss_spikes_skipped": ("counter", set()),
+    "murmur_grad_norm_preclip": ("gauge", {"stage"}),
+    "murmur_inner_steps_skipped": ("counter", {"stage"}),
+    "murmur_lr_scale": ("gauge", {"stage"}),
+    "murmur_attention_logit_max": ("gauge", {"stage", "block"}),
     "murmur_peers_banned": ("counter", set()),
     "murmur_peers_refused_table_full": ("counter", set()),
     "murmur_weights_refused": ("counter", {"source", "reason"}),
@@ -129,6 +134,10 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "grad_norm": 0.75,
         "act_max": 7.5,
         "act_min": -6.25,
+        "grad_norm_preclip": 3.5,
+        "attn_logit_max": {"0": 11.5, "1": 12.25},
+        "steps_skipped": 2,
+        "lr_scale": 1.1,
         "counters": {
             "microbatches_issued": 100,
             "microbatches_completed": 90,
@@ -270,6 +279,10 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_activation_max", stage="0") == 7.5
     assert one("murmur_activation_min", stage="0") == -6.25
     assert one("murmur_grad_norm", stage="0") == 0.75
+    assert one("murmur_grad_norm_preclip", stage="0") == 3.5
+    assert one("murmur_attention_logit_max", stage="0", block="1") == 12.25
+    assert one("murmur_inner_steps_skipped_total", stage="0") == 2
+    assert one("murmur_lr_scale", stage="0") == 1.1
     assert one("murmur_microbatches_total", outcome="completed") == 90
     assert one("murmur_microbatches_total", outcome="dropped") == 0  # known outcome, zero
     assert one("murmur_microbatches_issued_total") == 100

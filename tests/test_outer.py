@@ -106,3 +106,38 @@ def test_pull_term_bounds_the_spread_of_randomly_paired_replicas() -> None:
 
 def test_two_replicas_that_always_pair_stay_identical() -> None:
     assert max(simulate_spread(0.7, num_replicas=2, num_rounds=10)) == 0.0
+
+
+def test_scale_by_steps_by_hand() -> None:
+    from swarm.outer import MAX_STEP_SCALE, scale_by_steps
+
+    assert scale_by_steps(8, 4.0) == 0.5
+    assert scale_by_steps(2, 4.0) == 2.0
+    assert scale_by_steps(1, 40.0) == MAX_STEP_SCALE  # a 1-step displacement is too noisy
+    assert scale_by_steps(0, 4.0) == 0.0  # nothing to contribute
+    assert scale_by_steps(5, 0.0) == 1.0  # no reference: the published rule
+
+
+def test_noloco_with_unequal_steps_by_hand() -> None:
+    # i: theta 3, phi 1 (d 2 over 8 steps); j: d 1 over 2 steps, phi 2; both say 4 usual
+    # pooled: 3 of displacement over 10 steps, 0.3 a step, times 4: g_bar 1.2; phi_bar 1.5
+    # m_i = .7 * 1.2 + .7 * (1.5 - 1) = 1.19; phi_i = 2.19
+    from node.stage.outer import Offer, OuterState
+
+    state = OuterState(t(1.0))
+    theta = t(3.0)
+    offer = Offer(
+        phi=t(2.0), delta=t(1.0), distance=0.0, scale=1.0, movement=0.0, steps=2, ref_steps=4.0
+    )
+    state.apply_noloco(theta, offer, NoLoCoConfig(), steps=8, ref_steps=4.0)
+    assert state.m.tolist() == pytest.approx([1.19])
+    assert state.phi.tolist() == pytest.approx([2.19]) and theta.tolist() == pytest.approx([2.19])
+    # equal steps: exactly the published rule
+    plain, scaled = OuterState(t(1.0)), OuterState(t(1.0))
+    a, b = t(3.0), t(3.0)
+    same = Offer(
+        phi=t(2.0), delta=t(1.0), distance=0.0, scale=1.0, movement=0.0, steps=5, ref_steps=5.0
+    )
+    plain.apply_noloco(a, same, NoLoCoConfig())
+    scaled.apply_noloco(b, same, NoLoCoConfig(), steps=5, ref_steps=5.0)
+    assert a.tolist() == b.tolist()

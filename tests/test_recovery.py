@@ -67,10 +67,20 @@ def test_boundary_stage_plain_checkfree_copies_its_one_neighbour() -> None:
     assert plan == RecoveryPlan(1, "neighbour_copy", (Source(2, 1.0),))
 
 
-@pytest.mark.parametrize(("lost", "partner"), [(1, 2), (4, 3)])
-def test_checkfree_plus_boundary_copies_swap_partner(lost: int, partner: int) -> None:
-    plan = plan_recovery(lost, 4, live_table(4, {lost}), "checkfree+")
+@pytest.mark.parametrize(
+    ("n", "lost", "partner"),
+    [(4, 1, 2), (4, 4, 3), (4, 2, 1), (4, 3, 4), (6, 2, 1), (6, 5, 6), (6, 1, 2), (6, 6, 5)],
+)
+def test_checkfree_plus_copies_the_swap_partner(n: int, lost: int, partner: int) -> None:
+    """Stages 1 and 2, and N-1 and N, each learn the other's job: a lost one of the four is
+    a copy of its partner (not an average of its neighbours, for 2 and N-1)."""
+    plan = plan_recovery(lost, n, live_table(n, {lost}), "checkfree+")
     assert plan == RecoveryPlan(lost, "swap_copy", (Source(partner, 1.0),))
+
+
+def test_checkfree_plus_without_the_partner_falls_back_to_the_neighbours() -> None:
+    plan = plan_recovery(2, 6, live_table(6, {2, 1}), "checkfree+")  # partner 1 gone too
+    assert plan == RecoveryPlan(2, "neighbour_copy", (Source(3, 1.0),))
 
 
 def test_checkfree_plus_middle_stage_still_averages() -> None:

@@ -277,9 +277,10 @@ class HeadRole:
                     p.eval_result.set_result(loss)
                 return None
 
-            def compute() -> tuple[float, Backward]:
+            def compute() -> tuple[float, Backward | None]:
                 loss, grad = runner.head_loss(h.decode(), p.labels, True)
-                assert grad is not None
+                if grad is None:  # a spike or NaN: no gradient for this microbatch
+                    return loss, None
                 tensors, meta = encode_tensor(grad, codec, name="g")
                 index = len(msg.path) - 1
                 back = Backward(
@@ -289,6 +290,9 @@ class HeadRole:
 
             loss, back = await runner.compute(compute)
             self._record_loss(loss)
+            if back is None:
+                self._skip(msg.mb_id, loss)
+                return None
             return lambda: self._send_back(p, back)
 
         return job
@@ -326,6 +330,18 @@ class HeadRole:
             self._wake.set()
 
         return job
+
+    def _skip(self, mb_id: str, loss: float) -> None:
+        """End a microbatch whose loss spiked (or is not finite) untrained: it counts as
+        dropped, and as a skipped spike (``loss_spikes_skipped``); the stages downstream free its
+        saved activations when they expire."""
+        if self.pending.pop(mb_id, None) is None:
+            return  # its deadline counted it already
+        self.ctx.counters["microbatches_dropped"] += 1
+        self.ctx.counters["loss_spikes_skipped"] += 1
+        average = self.runner.loss_guard.average
+        log.warning("microbatch %s skipped: loss %.4g, running average %.4g", mb_id, loss, average)
+        self._wake.set()
 
     def _pending(self, mb_id: str) -> Pending:
         p = self.pending.get(mb_id)

@@ -22,6 +22,8 @@ Also keeps the statistics ``node status`` and the metrics show.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -85,6 +87,7 @@ class StageSync:
         self.period: float | None = None
         """Seconds per round on the clock schedule (None until the stage's step times are
         known, when derived)."""
+        self._period_checked = -math.inf
         self.last_round = -1
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
         self.gossip = GossipService(
@@ -155,12 +158,19 @@ class StageSync:
             self.ctx.spawn(self._round(self.runner.sync_due, self.runner.outer_rounds))
 
     def _round_period(self) -> float | None:
-        """The clock schedule's period: set, or derived from the stage's step times."""
+        """The clock schedule's period: set, or derived from the stage's step times (looked
+        at again at most once a second: this runs after every job)."""
         if self.config.round_s > 0:
             return self.config.round_s
-        times = [p.step_s for p in self.ctx.table.replicas(self.stage)] + [self.runner.step_s]
-        self.period = round_period(times, self.config.outer_steps, self.period)
+        now = self.ctx.clock.now()
+        if now - self._period_checked >= 1.0:
+            self._period_checked = now
+            self.period = round_period(self._step_times(), self.config.outer_steps, self.period)
         return self.period
+
+    def _step_times(self) -> list[float]:
+        """Seconds per inner step of the stage's replicas, this one included (0: unknown)."""
+        return [p.step_s for p in self.ctx.table.replicas(self.stage)] + [self.runner.step_s]
 
     def _boundary_due(self) -> int | None:
         """The latest grid boundary (ms since the epoch) passed and not taken yet, if any. A
@@ -201,8 +211,20 @@ class StageSync:
             self.running = False
         self.poll()
 
+    def _ref_steps(self) -> float:
+        """On the clock schedule: the stage's usual inner steps per round, its period over
+        the median of its replicas' seconds per step (0 when unknown, or steps schedule)."""
+        period = self.period if self.config.round_s <= 0 else self.config.round_s
+        if not self.clocked or not period:
+            return 0.0
+        measured = [s for s in self._step_times() if s > 0]
+        return period / statistics.median(measured) if measured else 0.0
+
     async def _noloco(self, round_: int) -> None:
-        tensors, meta = await self.runner.compute(self.runner.outer_contribution, self.config.codec)
+        ref_steps = self._ref_steps()
+        tensors, meta = await self.runner.compute(
+            self.runner.outer_contribution, self.config.codec, ref_steps
+        )
         outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
         self.bytes_sent += _nbytes(tensors) * outcome.num_attempts
         offer = None
@@ -212,7 +234,7 @@ class StageSync:
             if offer is None:
                 self.rounds["rejected"] += 1
                 outcome.partner_id = None
-        spread = await self.runner.compute(self.runner.apply_noloco, offer)
+        spread = await self.runner.compute(self.runner.apply_noloco, offer, ref_steps)
         if spread is not None:
             self.spread_rms, self.last_partner = spread, outcome.partner_id
             self.spread_sum += spread

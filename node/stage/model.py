@@ -193,10 +193,17 @@ def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with RoPE on queries and keys."""
+    """Causal multi-head self-attention with RoPE on queries and keys.
+
+    With ``observe`` set, a forward also records ``max_logit``, the largest pre-softmax
+    attention score it computed (a YaLM thermometer: runaway logits precede divergence). The
+    fused kernel never materialises the scores, so that costs one more ``q @ k^T``: the
+    runner asks for it on a sample of forwards only."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.observe = False
+        self.max_logit = 0.0
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -211,8 +218,19 @@ class Attention(nn.Module):
         k = self.wk(x).view(shape).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        if self.observe:
+            self.max_logit = _max_causal_logit(q, k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+
+def _max_causal_logit(q: Tensor, k: Tensor) -> float:
+    """The largest ``q . k / sqrt(head_dim)`` over the causal (lower) triangle."""
+    with torch.no_grad():
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        seq_len = scores.shape[-1]
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        return float(scores.masked_fill(future, -math.inf).amax())
 
 
 class SwiGLU(nn.Module):

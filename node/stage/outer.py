@@ -29,6 +29,7 @@ from swarm.outer import (
     diloco_outer_step,
     noloco_outer_step,
     rms_distance,
+    scale_by_steps,
 )
 
 Encoded = tuple[dict[str, torch.Tensor], dict[str, Any]]
@@ -50,6 +51,10 @@ class Offer:
     """How far we moved since we last averaged with a partner (RMS), over every solo round
     since: an honest partner apart as long (a partition, a long solo stretch) drifted about
     as far, so the screen must allow that much."""
+    steps: int = -1
+    """Inner steps the partner took in this round (-1: not said)."""
+    ref_steps: float = 0.0
+    """The partner's estimate of the stage's usual inner steps per round (0: none)."""
 
 
 class OuterState:
@@ -68,19 +73,29 @@ class OuterState:
         self.m = m.to(device, torch.float32).clone()
         self.anchor = theta.detach().clone()
 
-    def contribution(self, theta: torch.Tensor, codec: str, poison: str = "") -> Encoded:
+    def contribution(
+        self,
+        theta: torch.Tensor,
+        codec: str,
+        poison: str = "",
+        steps: int = -1,
+        ref_steps: float = 0.0,
+    ) -> Encoded:
         """This replica's NoLoCo offer: its slow weights and pseudo-gradient, encoded.
 
         The tensors are new ones, never views of ``phi``: a reply is written to the wire
         after its handler returned, while this replica may already be applying its own outer
         step to ``phi`` in place (the partner would then receive updated weights; fp32
-        encoding does not copy). ``poison``: ``sync.debug_poison``, fault injection."""
+        encoding does not copy). ``poison``: ``sync.debug_poison``, fault injection.
+        ``steps``, ``ref_steps``: the inner steps this replica took in the round and its
+        estimate of the stage's usual number (``swarm.outer.scale_by_steps``)."""
         phi, delta = self.phi.clone(), theta - self.phi
         if poison:  # what a hostile partner sends
             phi, delta = _poisoned(phi, poison), _poisoned(delta, poison)
         phi_t, phi_meta = encode_tensor(phi, codec, name="phi")
         d_t, d_meta = encode_tensor(delta, codec, name="delta")
-        return {**phi_t, **d_t}, {"phi": phi_meta, "delta": d_meta}
+        meta = {"phi": phi_meta, "delta": d_meta, "steps": steps, "ref_steps": ref_steps}
+        return {**phi_t, **d_t}, meta
 
     def measure(self, offer: Encoded, theta: torch.Tensor) -> Offer:
         """A partner's offer, decoded and measured against this replica (not applied).
@@ -100,18 +115,41 @@ class OuterState:
         # the partner's fast weights against ours: a poisoned phi or delta both show here
         distance = rms_distance(phi_j + d_j, theta) if finite else math.nan
         scale = rms_distance(theta, torch.zeros_like(theta))
-        return Offer(phi_j, d_j, distance, scale, rms_distance(theta, self.anchor))
+        steps, ref_steps = meta.get("steps", -1), meta.get("ref_steps", 0.0)
+        if type(steps) is not int or not -1 <= steps <= 10**9:
+            raise ValueError(f"offer's steps {steps!r} is not a count")
+        if type(ref_steps) not in (int, float) or not 0 <= ref_steps <= 1e9:
+            raise ValueError(f"offer's ref_steps {ref_steps!r} is not a count")
+        movement = rms_distance(theta, self.anchor)
+        return Offer(phi_j, d_j, distance, scale, movement, steps, float(ref_steps))
 
     def apply_noloco(
-        self, theta: torch.Tensor, offer: Offer | None, config: NoLoCoConfig
+        self,
+        theta: torch.Tensor,
+        offer: Offer | None,
+        config: NoLoCoConfig,
+        steps: int = -1,
+        ref_steps: float = 0.0,
     ) -> float | None:
         """NoLoCo's outer step on ``theta`` in place, with a screened offer or solo; returns
-        the RMS spread between our slow weights and the partner's (None when solo)."""
-        partners, spread = [], None
-        if offer is not None:
+        the RMS spread between our slow weights and the partner's (None when solo).
+
+        With ``steps`` and ``ref_steps`` known on both sides (ours and the offer's), both
+        pseudo-gradients are scaled by ``swarm.outer.scale_by_steps`` of the members' mean
+        steps and mean ``ref_steps``; otherwise the published rule applies as it is."""
+        partners, spread, own_scale = [], None, 1.0
+        if offer is None:
+            if steps >= 0 and ref_steps > 0:
+                own_scale = scale_by_steps(steps, ref_steps)
+        else:
             spread = rms_distance(self.phi, offer.phi)
-            partners.append((offer.delta, offer.phi))
-        noloco_outer_step(theta, self.phi, self.m, partners, config)
+            delta = offer.delta
+            if min(steps, offer.steps) >= 0 and min(ref_steps, offer.ref_steps) > 0:
+                ref = (ref_steps + offer.ref_steps) / 2
+                own_scale = scale_by_steps((steps + offer.steps) / 2, ref)
+                delta = delta * own_scale
+            partners.append((delta, offer.phi))
+        noloco_outer_step(theta, self.phi, self.m, partners, config, own_scale)
         if offer is not None:
             self.anchor = theta.clone()
         return spread

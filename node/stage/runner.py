@@ -21,15 +21,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
-from node.stage.model import BlockStage, HeadStage, build_stage
+from node.stage.model import Attention, BlockStage, HeadStage, build_stage
 from node.stage.outer import Encoded, Offer, OuterState
+from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
 from swarm.outer import DiLoCoConfig, NoLoCoConfig
 
@@ -83,6 +84,16 @@ class Thermometers:
     act_max: float = 0.0
     act_min: float = 0.0
     grad_norm: float = 0.0
+    """The latest inner step's gradient norm after clipping (what CheckFree weighs by)."""
+    grad_norm_preclip: float = 0.0
+    """The same before clipping: a runaway shows here, never in the clipped norm."""
+    attn_logit_max: dict[int, float] = field(default_factory=dict)
+    """Largest pre-softmax attention score per block (global index), on sampled forwards."""
+
+
+LOGITS_EVERY = 16
+"""Training forwards between two samples of the attention-logit thermometer (it costs one
+more ``q @ k^T`` per block)."""
 
 
 class StageRunner:
@@ -107,14 +118,24 @@ class StageRunner:
         self.sync_due: str | None = None
         self.pending_grads: torch.Tensor | None = None
         self.outer_rounds = 0
+        self._outer_at_step = 0
+        """``step`` at the last outer step: the inner steps of the current round follow it."""
         self.step_s = 0.0
         """Seconds per inner step (moving average; rounds excluded), 0 until measured."""
         self._last_step_t: float | None = None
         self.lr_scale = 1.0
+        """Multiplier of the scheduled learning rate: CheckFree's boost after a rebuild."""
+        self.lr_scale_until = -1
+        """The step before which ``lr_scale`` applies (-1: for good, as CheckFree's code has it)."""
         self.outer: OuterState
         self._saved: dict[str, _Saved] = {}
         self.stash = WeightStash()
         self.thermo = Thermometers()
+        self.grad_guard = SpikeGuard(config.train.spike_grad_multiple)
+        """Skips an inner step whose gradient norm (before clipping) spikes."""
+        self.loss_guard = SpikeGuard(config.train.spike_loss_multiple)
+        """Head stage: trains on no microbatch whose loss spikes or is not finite."""
+        self.num_forwards = 0
         self.delay_s = config.train.delay_on(stage)
         self.compute_s = 0.0
         self._recent_samples = 0.0
@@ -166,9 +187,14 @@ class StageRunner:
                 out = self.module(x).float()
         else:
             x.requires_grad_(True)
+            self.num_forwards += 1
+            observe = self.num_forwards % LOGITS_EVERY == 1
+            self._observe_logits(observe)
             with self._autocast(), self.stash.hooks(self.module):
                 out = self.module(x).float()
             self._saved[mb_id] = _Saved(x, out, self.stash.epoch, time.monotonic())
+            if observe:
+                self._observe_logits(False)
         self._observe_activations(out)
         self._account(t0, 0)
         return out.detach()
@@ -232,10 +258,14 @@ class StageRunner:
         h.requires_grad_(True)
         with self._autocast():
             loss = self.module.loss(h, labels)
+        value = float(loss.detach())
+        if self.loss_guard.is_spike(value):  # NaN or a spike never reaches any parameter
+            self._account(t0, 0)
+            return value, None
         loss.backward()
         self._account(t0, 0)
         assert h.grad is not None
-        return float(loss.detach()), h.grad
+        return value, h.grad
 
     def head_backward(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Finish a microbatch: backpropagate into the embedding (recomputed, it is cheap)."""
@@ -264,9 +294,9 @@ class StageRunner:
             self.pending_grads = self._take_grads()
             self.hold, self.sync_due = True, "grads"
             return
-        self._optimizer_step()
+        stepped = self._optimizer_step()
         by_steps = self.sync.method in ("noloco", "diloco") and self.sync.schedule == "steps"
-        if by_steps and self.step % self.sync.outer_steps == 0:
+        if stepped and by_steps and self.step % self.sync.outer_steps == 0:
             self.hold, self.sync_due = True, "outer"
 
     def begin_outer(self) -> None:
@@ -283,8 +313,9 @@ class StageRunner:
         self._acc_samples = self._acc_microbatches = 0
         return parameters_to_vector(grads)
 
-    def _optimizer_step(self, flat_grads: torch.Tensor | None = None) -> None:
-        """Clip, set the scheduled learning rate, step Adam; ``flat_grads`` replaces .grad."""
+    def _optimizer_step(self, flat_grads: torch.Tensor | None = None) -> bool:
+        """Clip, set the scheduled learning rate, step Adam; ``flat_grads`` replaces .grad.
+        False when the step was skipped (its gradient norm spiked)."""
         params = list(self.module.parameters())
         kept: list[torch.Tensor | None] | None = None
         if flat_grads is None:
@@ -296,12 +327,21 @@ class StageRunner:
             kept = [p.grad for p in params]  # what arrived while the ring was running
             for p, g in zip(params, _unflatten(flat_grads, params), strict=True):
                 p.grad = g
-        norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in params if p.grad is not None], self.train.clip_norm
+        norm = float(
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in params if p.grad is not None], self.train.clip_norm
+            )
         )
-        self.thermo.grad_norm = min(float(norm), self.train.clip_norm)
+        self.thermo.grad_norm_preclip = norm
+        if self.grad_guard.is_spike(norm):  # skip this step: drop its gradients
+            self.optimizer.zero_grad(set_to_none=True)
+            if kept is not None:
+                for p, held in zip(params, kept, strict=True):
+                    p.grad = held
+            return False
+        self.thermo.grad_norm = min(norm, self.train.clip_norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.train) * self.lr_scale
+            group["lr"] = lr_at(self.step, self.train) * self.current_lr_scale()
         self._weights_change()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -310,6 +350,7 @@ class StageRunner:
                 p.grad = held
         self.step += 1
         self._time_step()
+        return True
 
     def _time_step(self) -> None:
         """Update ``step_s`` with the time since the previous step (or since a round ended)."""
@@ -337,19 +378,33 @@ class StageRunner:
         """The slow weights of the last outer step (``node.stage.outer``)."""
         return self.outer.phi
 
-    def outer_contribution(self, codec: str) -> Encoded:
-        """This replica's NoLoCo offer: slow weights and pseudo-gradient, encoded."""
-        return self.outer.contribution(self._theta(), codec, self.sync.debug_poison)
+    @property
+    def round_steps(self) -> int:
+        """Inner steps taken since the last outer step."""
+        return self.step - self._outer_at_step
+
+    def outer_contribution(self, codec: str, ref_steps: float = 0.0) -> Encoded:
+        """This replica's NoLoCo offer: slow weights and pseudo-gradient, encoded, with the
+        round's inner steps and ``ref_steps`` (the stage's usual, for ``sync.scale_by_steps``;
+        0 to apply the published rule as it is)."""
+        theta, poison = self._theta(), self.sync.debug_poison
+        if not self.sync.scale_by_steps or ref_steps <= 0:
+            return self.outer.contribution(theta, codec, poison)
+        return self.outer.contribution(theta, codec, poison, self.round_steps, ref_steps)
 
     def decode_offer(self, partner: Encoded) -> Offer:
         """A partner's NoLoCo offer, decoded and measured against this replica (not applied);
         ``ValueError`` when it is malformed or does not fit."""
         return self.outer.measure(partner, self._theta())
 
-    def apply_noloco(self, offer: Offer | None) -> float | None:
-        """NoLoCo's outer step with a screened offer (or solo); returns the slow-weight spread."""
+    def apply_noloco(self, offer: Offer | None, ref_steps: float = 0.0) -> float | None:
+        """NoLoCo's outer step with a screened offer (or solo); returns the slow-weight spread.
+        ``ref_steps`` as for ``outer_contribution``."""
         theta = self._theta()
-        spread = self.outer.apply_noloco(theta, offer, self.noloco)
+        if not self.sync.scale_by_steps or ref_steps <= 0:
+            spread = self.outer.apply_noloco(theta, offer, self.noloco)
+        else:
+            spread = self.outer.apply_noloco(theta, offer, self.noloco, self.round_steps, ref_steps)
         self._set_theta(theta)
         return spread
 
@@ -371,8 +426,19 @@ class StageRunner:
         self.hold, self.sync_due, self.pending_grads = False, None, None
         if outer:
             self.outer_rounds += 1
+            self._outer_at_step = self.step
         self._last_step_t = time.monotonic()  # a round's wait is not an inner step's time
         self._maybe_step()
+
+    def _observe_logits(self, on: bool) -> None:
+        """Start (``on``) or finish sampling each block's largest attention logit."""
+        assert isinstance(self.module, BlockStage)
+        for i, block in enumerate(self.module.blocks):
+            attn = block.attn
+            assert isinstance(attn, Attention)
+            if not on and attn.observe:
+                self.thermo.attn_logit_max[self.module.first_block + i] = attn.max_logit
+            attn.observe = on
 
     def _observe_activations(self, out: torch.Tensor) -> None:
         lo, hi = torch.aminmax(out.detach())
@@ -412,6 +478,10 @@ class StageRunner:
                 tensors[f"adam_v.{name}"] = state["exp_avg_sq"].detach().cpu()
         tensors["outer.phi"] = self.outer.phi.cpu()
         tensors["outer.m"] = self.outer.m.cpu()
+        # a replica that copies a rebuilt one takes its learning-rate schedule too
+        tensors["sched.lr_scale"] = torch.tensor(
+            [self.lr_scale, float(self.lr_scale_until)], dtype=torch.float64
+        )
         return tensors, self.step, self.samples
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -447,13 +517,21 @@ class StageRunner:
         n = max(1, numel)
         return math.sqrt(sq_dist / n), math.sqrt(sq_own / n)
 
+    def current_lr_scale(self) -> float:
+        """The learning-rate multiplier at the current step."""
+        boosted = self.lr_scale_until < 0 or self.step < self.lr_scale_until
+        return self.lr_scale if boosted else 1.0
+
     def adopt_weights(self, params: Mapping[str, torch.Tensor], lr_scale: float) -> None:
-        """Take rebuilt weights (CheckFree) with a fresh Adam at ``lr * lr_scale``."""
+        """Take rebuilt weights (CheckFree) with a fresh Adam at ``lr * lr_scale``, for
+        ``recovery.lr_boost_steps`` steps (0: for good)."""
         self._check_fits(params, "rebuilt weights", finite=True)
         self._weights_change()
         self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
         self.optimizer = self._new_optimizer()
         self.lr_scale = lr_scale
+        boost = self.config.recovery.lr_boost_steps
+        self.lr_scale_until = self.step + boost if boost > 0 else -1
         self._init_outer()
         self.optimizer.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_microbatches = 0
@@ -486,6 +564,12 @@ class StageRunner:
             self._init_outer()
         self.step, self.samples = step, samples
         self.outer_rounds = step // self.sync.outer_steps
+        self._outer_at_step = step
+        sched = tensors.get("sched.lr_scale")
+        if sched is not None and sched.shape == (2,) and bool(torch.isfinite(sched).all()):
+            scale, until = float(sched[0]), int(sched[1])
+            if 0 < scale <= 10:  # a peer's number: taken only when it is a sane multiplier
+                self.lr_scale, self.lr_scale_until = scale, until
 
 
 def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,235 @@
+"""The whole swarm in one process, for convergence studies that need many replicas and tokens.
+
+Every replica of every stage is a real ``node.stage.runner.StageRunner``: the daemon's model
+code, its inner optimizer (accumulation to ``train.step_samples``, clipping, Adam, the
+learning-rate schedule, the spike guards) and its outer steps (``outer_contribution``,
+``decode_offer``, ``apply_noloco``, ``apply_diloco``, ``apply_grads``, the pure rules of
+``swarm.outer``). Only the network is gone: a microbatch's hops are function calls, in one
+thread, one microbatch at a time, so ``R`` replicas of every stage and tens of millions of
+tokens fit on two cores.
+
+What a global step is: every head replica issues one microbatch of its own data shard, and
+each is routed through the block stages along a fresh random permutation of each stage's
+replicas (NoLoCo's own routing, arXiv 2506.10911; SWARM's router reduces to it when all
+replicas are equally fast), so every replica of every stage computes one microbatch per
+global step and all of them take their inner steps together. Every method sees the same
+tokens in the same order (the same seed) and the same global batch per optimizer step,
+``R * step_samples`` samples per stage:
+
+- ``noloco``: every H inner steps each stage's replicas are paired by a random perfect
+  matching and each pair exchanges its offers (``docs/algorithms.md`` section 4);
+- ``diloco``: every H inner steps each stage's replicas average their outer gradients (what
+  the ring computes) and take DiLoCo's Nesterov step;
+- ``allreduce``: data parallel, the gradients averaged at every inner step;
+- ``none``: independent replicas (the routing still mixes them).
+
+Evaluation: the fixed held-out microbatches of the head stage, each through a fixed random
+path of replicas (seeded), mean loss. Spread: per block stage, the RMS distance of the
+replicas' live weights from their mean, averaged over the block stages.
+
+Used by ``bench/convergence.py`` (the study, and its check against the live swarm).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from node.config import Config
+from node.data.dataset import TextDataset, open_dataset
+from node.stage.runner import StageRunner
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Curve:
+    """What one simulated run measured, at every evaluation point."""
+
+    method: str
+    seed: int
+    replicas: int
+    tokens: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)
+    spread: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    outer_rounds: int = 0
+    inner_steps: int = 0
+
+
+class SimulatedSwarm:
+    """``replicas`` replicas of each of the ``1 + N`` stages of ``config``'s model."""
+
+    def __init__(self, config: Config, replicas: int, seed: int) -> None:
+        sync = replace(config.sync, schedule="steps")  # equal replicas: the schedules agree
+        self.config = replace(config, sync=sync, swarm=replace(config.swarm, seed=seed))
+        self.num_replicas = replicas
+        self.num_stages = config.swarm.num_block_stages + 1
+        self.route_rng = random.Random(f"route-{seed}")  # the same routes for every method
+        self.pair_rng = random.Random(f"pairs-{seed}")
+        self.runners: list[list[StageRunner]] = []
+        for stage in range(self.num_stages):
+            row = []
+            for _ in range(replicas):
+                r = StageRunner(self.config, stage)
+                r._build()  # the compute thread is this one
+                row.append(r)
+            self.runners.append(row)
+        data = self.config.data
+        vocab = self.config.model.vocab_size
+        self.datasets: list[TextDataset] = [
+            open_dataset(replace(data, num_shards=replicas), shard=i, seed=seed, vocab_size=vocab)
+            for i in range(replicas)
+        ]
+        self.generators = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(replicas)]
+        self.eval_batches = self.datasets[0].eval_batches(
+            self.config.train.eval_batches, data.batch_size, data.seq_len
+        )
+        eval_rng = random.Random(f"eval-{seed}")
+        self.eval_paths = [
+            [eval_rng.randrange(replicas) for _ in range(self.num_stages)]
+            for _ in self.eval_batches
+        ]
+        self.outer_rounds = 0
+        self.mb = 0
+
+    # ---- one global step ----------------------------------------------------------------
+
+    def global_step(self) -> int:
+        """Every head replica's microbatch through a random permutation of each stage's
+        replicas, forward and back; then any outer round that came due. Returns tokens."""
+        perms = [list(range(self.num_replicas)) for _ in range(self.num_stages)]
+        for stage in range(1, self.num_stages):
+            self.route_rng.shuffle(perms[stage])
+        tokens = 0
+        for k in range(self.num_replicas):
+            path = [k] + [perms[s][k] for s in range(1, self.num_stages)]
+            tokens += self._microbatch(path)
+        self._synchronise()
+        return tokens
+
+    def _microbatch(self, path: list[int]) -> int:
+        data = self.config.data
+        head = self.runners[0][path[0]]
+        ids, labels = self.datasets[path[0]].sample_batch(
+            self.generators[path[0]], data.batch_size, data.seq_len
+        )
+        self.mb += 1
+        mb_id = f"sim.{self.mb}"
+        x = head.head_embed(ids)
+        for stage in range(1, self.num_stages):
+            x = self.runners[stage][path[stage]].block_forward(mb_id, x, train=True)
+        _, grad = head.head_loss(x, labels, train=True)
+        if grad is not None:  # else a loss spike: nobody trains on it, as in the daemon
+            for stage in range(self.num_stages - 1, 0, -1):
+                grad = self.runners[stage][path[stage]].block_backward(mb_id, grad)
+            head.head_backward(ids, grad)
+        else:
+            for stage in range(1, self.num_stages):
+                self.runners[stage][path[stage]].expire_saved(math.inf)
+        return int(ids.numel())
+
+    def _synchronise(self) -> None:
+        for row in self.runners:
+            due = {r.sync_due for r in row}
+            if due == {"outer"}:
+                method = self.config.sync.method
+                (self._noloco if method == "noloco" else self._diloco)(row)
+                for r in row:
+                    r.finish_sync(True)
+                self.outer_rounds += 1
+            elif due == {"grads"}:
+                grads = [r.pending_grads for r in row]
+                mean = torch.stack([g for g in grads if g is not None]).mean(0)
+                for r in row:
+                    r.apply_grads(mean)
+                    r.finish_sync(False)
+            else:
+                assert due == {None}, f"replicas of a stage out of step: {due}"
+
+    def _noloco(self, row: list[StageRunner]) -> None:
+        order = list(range(len(row)))
+        self.pair_rng.shuffle(order)
+        offers = {i: row[i].outer_contribution(self.config.sync.codec) for i in order}
+        for a, b in zip(order[0::2], order[1::2], strict=False):
+            offer_b, offer_a = row[a].decode_offer(offers[b]), row[b].decode_offer(offers[a])
+            row[a].apply_noloco(offer_b)
+            row[b].apply_noloco(offer_a)
+        if len(order) % 2:  # the odd replica out steps alone
+            row[order[-1]].apply_noloco(None)
+
+    def _diloco(self, row: list[StageRunner]) -> None:
+        mean = torch.stack([r.outer_delta() for r in row]).mean(0)
+        for r in row:
+            r.apply_diloco(mean)
+
+    # ---- measurements -------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        losses = []
+        for (ids, labels), path in zip(self.eval_batches, self.eval_paths, strict=True):
+            x = self.runners[0][path[0]].head_embed(ids)
+            for stage in range(1, self.num_stages):
+                x = self.runners[stage][path[stage]].block_forward("eval", x, train=False)
+            loss, _ = self.runners[0][path[0]].head_loss(x, labels, train=False)
+            losses.append(loss)
+        return statistics.mean(losses)
+
+    def spread(self) -> float:
+        """RMS distance of each block stage's replicas from their mean, averaged."""
+        out = []
+        for row in self.runners[1:]:
+            thetas = torch.stack(
+                [parameters_to_vector(r.module.parameters()).detach() for r in row]
+            )
+            out.append(float(torch.sqrt(((thetas - thetas.mean(0)) ** 2).mean())))
+        return statistics.mean(out)
+
+
+def simulate(
+    config: Config,
+    replicas: int,
+    seed: int,
+    tokens: int,
+    num_evals: int = 10,
+    progress: Progress | None = None,
+) -> Curve:
+    """Train the simulated swarm for ``tokens`` tokens, evaluating ``num_evals`` times."""
+    swarm = SimulatedSwarm(config, replicas, seed)
+    curve = Curve(config.sync.method, seed, replicas)
+    t0 = time.monotonic()
+    done = 0
+    milestones = [tokens * (i + 1) // num_evals for i in range(num_evals)]
+
+    def point() -> None:
+        curve.tokens.append(done)
+        curve.eval_loss.append(swarm.evaluate())
+        curve.spread.append(swarm.spread())
+        curve.wall_s.append(round(time.monotonic() - t0, 1))
+        if progress is not None:
+            progress(
+                {
+                    "method": curve.method,
+                    "seed": seed,
+                    "tokens": done,
+                    "eval_loss": curve.eval_loss[-1],
+                    "spread": curve.spread[-1],
+                }
+            )
+
+    point()
+    for milestone in milestones:
+        while done < milestone:
+            done += swarm.global_step()
+        point()
+    curve.outer_rounds = swarm.outer_rounds
+    curve.inner_steps = swarm.runners[1][0].step
+    return curve

@@ -1,0 +1,25 @@
+"""The convergence study's fast path (``bench/convergence_sim.py``), a short run of it."""
+
+from pathlib import Path
+
+import pytest
+
+from bench.convergence import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_quick_study_runs_every_method_and_records_what_the_issue_asks(tmp_path: Path) -> None:
+    result = main(["--quick", "--out", str(tmp_path)])
+    assert result["replicas_per_stage"] == 4
+    methods = result["methods"]
+    assert set(methods) == {"noloco", "diloco", "allreduce", "none"}
+    for r in methods.values():
+        assert 0 < r["final_eval_loss_mean"] < r["curves"][0]["eval_loss"][0]  # it learns
+        assert r["inner_steps"] > 0
+    spread = {m: r["final_spread_mean"] for m, r in methods.items()}
+    assert spread["allreduce"] < 1e-6  # data parallel keeps the replicas identical
+    assert spread["none"] > spread["noloco"] > 0  # gossip pulls replicas together
+    assert methods["noloco"]["outer_rounds"] > 0 and methods["none"]["outer_rounds"] == 0
+    assert (tmp_path / "convergence-quick.json").is_file()
+    assert (tmp_path / "convergence-quick.png").is_file()
