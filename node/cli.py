@@ -23,7 +23,6 @@ from node.allocator import reuse_freed_memory
 from node.client import fetch_status, operator_auth, post_to_node
 from node.config import (
     Config,
-    RecoveryMethod,
     SyncMethod,
     choices,
     field_docs,
@@ -43,6 +42,7 @@ from node.stage.export import (
     load_export,
     load_export_tokenizer,
 )
+from swarm.recovery import RecoveryMethod
 
 
 def main(argv: list[str] | None = None) -> int:

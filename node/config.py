@@ -27,13 +27,13 @@ from node.data.dataset import DataConfig
 from node.stage.model import ModelConfig, preset
 from protocol.quant import Codec
 from swarm.membership import MembershipConfig
+from swarm.recovery import RecoveryMethod
 
 ENV_PREFIX = "MURMUR_"
 ENV_ALIASES = {"MURMUR_MALLOC_REUSE": "node.malloc_reuse"}
 """Environment variables documented under other names than ``MURMUR_<SECTION>_<FIELD>``."""
 
 SyncMethod = Literal["noloco", "diloco", "allreduce", "none"]
-RecoveryMethod = Literal["checkfree", "checkfree+", "checkpoint", "random"]
 BalancePolicy = Literal["throughput", "replicas"]
 OuterSchedule = Literal["clock", "steps"]
 ComputeDtype = Literal["float32", "bfloat16"]

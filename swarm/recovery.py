@@ -26,13 +26,16 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from protocol.messages import PeerRecord
 
 EPSILON = 1e-4
-METHODS = ("checkfree", "checkfree+", "checkpoint", "random")
+RecoveryMethod = Literal["checkfree", "checkfree+", "checkpoint", "random"]
+"""How a lost stage is rebuilt (``recovery.method``); listed once, here."""
+METHODS: tuple[str, ...] = get_args(RecoveryMethod)
 
 
 @dataclass(frozen=True)

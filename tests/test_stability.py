@@ -127,3 +127,16 @@ def test_recovery_lr_boost_lasts_as_configured_and_travels_with_the_state(boost_
     copy.load(*r.snapshot())  # a replica that copies the rebuilt one
     assert (copy.lr_scale, copy.lr_scale_until) == (r.lr_scale, r.lr_scale_until)
     assert copy.current_lr_scale() == r.current_lr_scale()
+
+
+def test_a_lasting_jump_is_a_new_level_not_a_run_of_spikes() -> None:
+    """A stage lost and rebuilt makes the loss jump for good: after ``patience`` spikes in a
+    row the guard takes the new level (else training would stop for good)."""
+    g = SpikeGuard(multiple=1.5, warmup=3, patience=4)
+    for _ in range(3):
+        assert not g.is_spike(2.0)
+    assert [g.is_spike(4.5) for _ in range(4)] == [True, True, True, False]
+    assert g.average == pytest.approx(4.5) and g.num_rebaselines == 1
+    assert not g.is_spike(4.4)  # training goes on from the new level,
+    assert g.num_accepted == 2  # warming up again from it
+    assert g.is_spike(math.nan)  # NaN is never a new level

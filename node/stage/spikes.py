@@ -5,7 +5,10 @@ gradient norm is more often a bad batch or a numerical accident than a lesson, a
 on it can wreck weeks of work; skipping it costs one batch. A value is a spike when it is
 not finite, or, once ``warmup`` values have been accepted, when it exceeds ``multiple``
 times the running average of the accepted ones (an exponential moving average with
-``decay``). Only accepted values enter the average, so a run of spikes cannot drag it up.
+``decay``). Only accepted values enter the average, so a few spikes cannot drag it up. But
+``patience`` finite spikes in a row are no spike: the level itself has changed (a stage was
+lost and rebuilt, say, and the loss jumps for good), and refusing every value from then on
+would stop training altogether; the average restarts from the new level instead.
 
 Pure: floats in, a verdict out. The runner applies it to each inner step's gradient norm
 before clipping and the head stage to each microbatch's loss.
@@ -25,9 +28,13 @@ class SpikeGuard:
     """Values accepted before the multiple applies (early training moves fast)."""
     decay: float = 0.95
     """Weight of the old average in each update (about the last 20 values)."""
+    patience: int = 8
+    """This many finite spikes in a row are a new level, not spikes: the average restarts."""
     average: float = 0.0
     num_accepted: int = 0
     num_spikes: int = 0
+    num_rebaselines: int = 0
+    _run: int = 0
 
     def is_spike(self, value: float) -> bool:
         """Judge ``value``; an accepted one updates the average."""
@@ -36,8 +43,13 @@ class SpikeGuard:
             return True
         warm = self.num_accepted >= self.warmup
         if warm and self.multiple > 0 and value > self.multiple * self.average:
-            self.num_spikes += 1
-            return True
+            self._run += 1
+            if self._run < self.patience:
+                self.num_spikes += 1
+                return True
+            self.num_rebaselines += 1  # a new level: accept it, and average from it
+            self.num_accepted = 0
+        self._run = 0
         if self.num_accepted == 0:
             self.average = value
         else:
