@@ -93,6 +93,11 @@ class NetConfig:
     """Refuse microbatches and gossip from peers not in this node's table ("unknown_peer")."""
     ban_s: float = 300.0
     """How long a peer caught sending poisoned weights is banned (its requests refused)."""
+    check_reachability: bool = True
+    """Before taking a stage, have peers dial this node back at the address it announces; an
+    unreachable node (behind a NAT, say) takes no stage and says why."""
+    reachability_retry_s: float = 30.0
+    """How often an unreachable node checks again."""
     inject_latency_s: float = 0.0
     """Testbeds only: one-way delay added to every message this node sends (no netem here)."""
     inject_bandwidth_mbps: float = 0.0

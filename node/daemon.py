@@ -42,6 +42,7 @@ from node.roles.head import HeadRole
 from node.server import NodeServer
 from node.services.balance import Balancer
 from node.services.guard import RequestGuard
+from node.services.reachability import ReachabilityService
 from node.services.recovery import RecoveryService
 from node.services.statefetch import StateFetcher
 from node.services.sync import StageSync
@@ -121,6 +122,7 @@ class Node:
         """The parts that serve the node, each given the context and the callables it uses."""
         self.guard = RequestGuard(self.ctx)  # admission of requests, bans of hostile peers
         self.states = StateFetcher(self.ctx, self.guard)
+        self.reachability = ReachabilityService(self.ctx)
         self.recovery = RecoveryService(
             self.ctx, states=self.states, record=self.record, move_to=self.move_to
         )
@@ -136,6 +138,7 @@ class Node:
             guard=self.guard,
             membership=self.membership,
             recovery=self.recovery,
+            reachability=self.reachability,
             work=self.work,
             role=lambda: self.role,
             sync=lambda: self.sync,
@@ -213,6 +216,7 @@ class Node:
         }
         if self.sync is not None:
             out["sync"] = self.sync.status()
+        out["reachability"] = self.reachability.status()
         out["recovery"] = self.recovery.status()
         out["balance"] = self.balancer.status()
         if isinstance(self.role, HeadRole):
@@ -326,11 +330,21 @@ class Node:
         await self.balancer.measure()  # while we listen for peers
         await asyncio.sleep(max(0.0, self.config.node.join_wait_s - (time.monotonic() - t0)))
         self._adopt_observed()
+        await self._until_reachable()
         if self.config.node.stage == "auto":
             stage = self.balancer.choose()
         else:
             stage = int(self.config.node.stage)
         await self.take_stage(stage)
+
+    async def _until_reachable(self) -> None:
+        """Take no stage while peers cannot dial this node: it could serve nothing. Check
+        again every ``net.reachability_retry_s`` (the address may change, a port be opened)."""
+        if not self.config.net.check_reachability:
+            return
+        while await self.reachability.check() == "unreachable":
+            await asyncio.sleep(self.config.net.reachability_retry_s)
+            self._adopt_observed()
 
     async def take_stage(self, stage: int) -> None:
         """Build ``stage``'s runner and role, get its weights (copy, rebuild or seed), serve."""
@@ -408,6 +422,8 @@ class Node:
         while True:
             await asyncio.sleep(1.0)
             self._adopt_observed()
+            if self.config.net.check_reachability and self.reachability.due(self.state.address):
+                await self.reachability.check()  # the address changed, or nobody had answered
             if self.sync is not None:
                 self.sync.forget_stale_rounds()
             runner = self.state.the_runner()

@@ -17,6 +17,11 @@ def format_status(st: dict[str, Any]) -> str:
         f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
         f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
     ]
+    reach = st.get("reachability")
+    if reach:
+        lines.append(f"  reachability: {reach['state']} ({reach['detail']})")
+        if reach.get("advice"):
+            lines.append(f"    {reach['advice']}")
     if st["stage"] >= 0 and st["ready"]:
         lines.append(_thermometers(st))
     if st["stage"] == 0:

@@ -121,6 +121,7 @@ class NodeCollector(Collector):
             yield from _stage_families(st)
         yield from _counter_families(st["counters"], head=st["stage"] == 0)
         yield from _peer_families(st)
+        yield from _reachability_family(st)
         if st["stage"] == 0 and "tokens" in st:
             yield from _head_families(st)
         if isinstance(st.get("sync"), dict):
@@ -281,6 +282,21 @@ def _counter_families(counters: dict[str, int], head: bool) -> Iterator[Metric]:
     for key, value in named.items():
         name, doc = _NAMED_COUNTERS[key]
         yield _counter(name, doc, value)
+
+
+def _reachability_family(st: dict[str, Any]) -> Iterator[Metric]:
+    """Whether peers can dial this node (1 for its current state)."""
+    reach = st.get("reachability")
+    if not isinstance(reach, dict):
+        return
+    family = GaugeMetricFamily(
+        "murmur_reachability",
+        "1 for this node's reachability as peers found it: direct, unreachable or unknown.",
+        labels=["state"],
+    )
+    for state in ("direct", "unreachable", "unknown"):
+        family.add_metric([state], float(reach.get("state") == state))
+    yield family
 
 
 def _peer_families(st: dict[str, Any]) -> Iterator[Metric]:

@@ -8,7 +8,8 @@ Owns the aiohttp application and what happens to a request before a service work
   unknown peers, rate limits, duplicates); then it goes to its handler: membership for
   ``Hello`` and ``Leave``; the stage role's jobs, queued, for ``Forward`` and ``Backward``
   (after their route and activations are checked); the runner for ``FetchState``; the sync
-  service for gossip and ring chunks; recovery for head backups and rollbacks.
+  service for gossip and ring chunks; recovery for head backups and rollbacks; the
+  reachability check for dial-backs and their probes.
 - ``GET /status``: the node's view of the swarm, as JSON.
 - ``POST /eval`` (a ready head node evaluates now) and ``POST /profile?seconds=S`` (the
   compute thread's torch operators, ``node.stage.opprofile``): they cost the node work, so
@@ -40,6 +41,7 @@ from node.pipeline import WorkQueue
 from node.roles.base import StageRole
 from node.roles.head import HeadRole
 from node.services.guard import RequestGuard
+from node.services.reachability import ReachabilityService
 from node.services.recovery import RecoveryService
 from node.services.sync import StageSync
 from node.stage.opprofile import DEFAULT_SECONDS, check_seconds, profile_compute
@@ -49,6 +51,8 @@ from protocol.frames import Limits
 from protocol.messages import (
     Ack,
     Backward,
+    DialBack,
+    DialProbe,
     Error,
     FetchState,
     Forward,
@@ -80,6 +84,7 @@ class NodeServer:
         guard: RequestGuard,
         membership: MembershipService,
         recovery: RecoveryService,
+        reachability: ReachabilityService,
         work: WorkQueue,
         role: Callable[[], StageRole | None],
         sync: Callable[[], StageSync | None],
@@ -93,6 +98,7 @@ class NodeServer:
         self.guard = guard
         self.membership = membership
         self.recovery = recovery
+        self.reachability = reachability
         self.work = work
         self.role = role
         self.sync = sync
@@ -167,6 +173,10 @@ class NodeServer:
             return self._on_backward(msg)
         if isinstance(msg, FetchState):
             return await self._on_fetch_state(msg)
+        if isinstance(msg, DialBack):
+            return await self.reachability.on_dial_back(msg, peer_host)
+        if isinstance(msg, DialProbe):
+            return self.reachability.on_probe(msg)
         self.ctx.state.check_serving()
         if isinstance(msg, GossipRequest):
             return await self._current_sync().on_gossip(msg)

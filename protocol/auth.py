@@ -56,6 +56,7 @@ from protocol.errors import (
 )
 from protocol.messages import (
     Backward,
+    DialBack,
     Error,
     Forward,
     GossipRequest,
@@ -189,7 +190,7 @@ def claimed_sender(msg: Message) -> str | None:
         return msg.sender.peer_id
     if isinstance(msg, Leave):
         return msg.peer_id
-    if isinstance(msg, GossipRequest | HeadBackup | Rollback):
+    if isinstance(msg, GossipRequest | HeadBackup | Rollback | DialBack):
         return msg.sender
     if isinstance(msg, Forward) and msg.path:
         return msg.path[-1].peer_id  # each hop appends itself before sending on

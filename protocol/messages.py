@@ -231,6 +231,38 @@ class Rollback(Message):
     """The restarted node asking for the rollback (only peers we know may ask)."""
 
 
+@dataclass(frozen=True)
+class DialBack(Message):
+    """Reachability check: "connect to me at ``address`` and say ``nonce``". The peer asked
+    dials only the host it sees the request come from, so it cannot be made to connect
+    anywhere else; it answers with a ``DialBackResult``."""
+
+    TYPE: ClassVar[str] = "dial_back"
+    address: str
+    """HOST:PORT the sender announces, to be tested."""
+    nonce: str
+    sender: str
+
+
+@dataclass(frozen=True)
+class DialProbe(Message):
+    """The dial-back itself, to the address under test; answered with ``Ack``."""
+
+    TYPE: ClassVar[str] = "dial_probe"
+    nonce: str
+
+
+@dataclass(frozen=True)
+class DialBackResult(Message):
+    """Whether the peer asked could connect to the address under test."""
+
+    TYPE: ClassVar[str] = "dial_back_result"
+    reached: bool
+    observed_host: str
+    """The host the request came from, as the peer saw it."""
+    detail: str
+
+
 MESSAGE_TYPES: Mapping[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -248,6 +280,9 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
         RingChunk,
         HeadBackup,
         Rollback,
+        DialBack,
+        DialProbe,
+        DialBackResult,
     )
 }
 

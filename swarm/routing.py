@@ -97,6 +97,12 @@ class Router:
             s.num_failures += 1
             s.banned_until = max(now + self.ban_s, s.quarantined_until)
 
+    def avoid(self, peer_id: str, now: float, seconds: float) -> None:
+        """Route nothing to ``peer_id`` for ``seconds`` (it could not be dialled back: its
+        address does not take connections). Unlike a quarantine, its requests are welcome."""
+        s = self._stats(peer_id)
+        s.banned_until = max(s.banned_until, now + seconds)
+
     def quarantine(self, peer_id: str, now: float, seconds: float) -> None:
         """Ban ``peer_id`` for misbehaviour for ``seconds`` (routing skips it meanwhile too)."""
         s = self._stats(peer_id)

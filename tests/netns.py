@@ -1,7 +1,9 @@
 """Real hosts on one machine: Linux network namespaces on a shared bridge, as a pytest fixture.
 
 Owns: creating N "hosts" (a namespace each, with ``eth0`` on a private bridge, loopback up and a
-224.0.0.0/4 route so multicast such as mDNS works), running processes inside them, partitions
+224.0.0.0/4 route so multicast such as mDNS works), hosts behind a home router (``add_natted``:
+a router namespace on the bridge that masquerades a private network, no port forwarding,
+replies let back in by connection tracking), running processes inside them, partitions
 (``cut``/``heal`` detach and reattach a host's veth; ``split``/``rejoin`` move a group of hosts
 to a second bridge and back), and ALWAYS tearing all of it down: the processes started inside,
 the namespaces, the bridges and the iptables rules. Names carry a random
@@ -101,7 +103,12 @@ class Lab:
 
     prefix: str
     bridge: str
+    net: str = ""
+    """The bridge's subnet, ``10.A.B``: host i at ``.(i+1)``, routers at ``.(200+k)``."""
     hosts: list[Host] = field(default_factory=list)
+    natted: list[Host] = field(default_factory=list)
+    """Private hosts, each behind its own router (``add_natted``)."""
+    routers: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
     iptables_rules: list[list[str]] = field(default_factory=list)
     split_bridge: str | None = None  # made by split(): the second side of a partition
@@ -113,8 +120,8 @@ class Lab:
         if not 1 <= n <= 250:
             raise ValueError(f"a lab has 1..250 hosts, not {n}")
         prefix = f"mm{secrets.token_hex(3)}"  # 8 chars: "v" + prefix + index <= 15
-        lab = cls(prefix=prefix, bridge=f"{prefix}br")
         net = f"10.{20 + secrets.randbelow(200)}.{secrets.randbelow(256)}"
+        lab = cls(prefix=prefix, bridge=f"{prefix}br", net=net)
         try:
             _ip("link", "add", lab.bridge, "type", "bridge", "mcast_snooping", "0")
             _ip("link", "set", lab.bridge, "up")
@@ -149,6 +156,84 @@ class Lab:
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         _ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")  # multicast (mDNS) out eth0
+
+    def add_natted(self) -> Host:
+        """A host behind its own home router: the router is a namespace on the bridge (at
+        ``10.A.B.(200+k)``) that masquerades the private network ``192.168.k.0/24`` behind it,
+        forwards nothing inwards and lets replies back by connection tracking. The host (at
+        ``192.168.k.2``, default route via the router) dials out to anyone; nobody dials in.
+        Returns the private host."""
+        k = len(self.routers) + 1
+        router, private = f"{self.prefix}r{k}", f"{self.prefix}p{k}"
+        wan = f"v{self.prefix}r{k}"
+        lan_net = f"192.168.{k}"
+        _ip("netns", "add", router)
+        self.routers.append(router)  # close() removes it whatever happens next
+        _ip("link", "add", wan, "type", "veth", "peer", "name", "wan", "netns", router)
+        _ip("link", "set", wan, "master", self.bridge)
+        _ip("link", "set", wan, "up")
+        _ip("-n", router, "addr", "add", f"{self.net}.{200 + k}/24", "dev", "wan")
+        _ip("-n", router, "link", "set", "wan", "up")
+        _ip("-n", router, "link", "set", "lo", "up")
+        _ip("netns", "add", private)
+        host = Host(name=private, address=f"{lan_net}.2", veth="", _lab=self)
+        self.natted.append(host)
+        _ip(
+            "-n",
+            router,
+            "link",
+            "add",
+            "lan",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            private,
+        )
+        _ip("-n", router, "addr", "add", f"{lan_net}.1/24", "dev", "lan")
+        _ip("-n", router, "link", "set", "lan", "up")
+        _ip("-n", private, "addr", "add", f"{lan_net}.2/24", "dev", "eth0")
+        _ip("-n", private, "link", "set", "eth0", "up")
+        _ip("-n", private, "link", "set", "lo", "up")
+        _ip("-n", private, "route", "add", "default", "via", f"{lan_net}.1")
+        inside = ["ip", "netns", "exec", router]
+        for cmd in (
+            ["sysctl", "-qw", "net.ipv4.ip_forward=1"],
+            [
+                "iptables",
+                "-t",
+                "nat",
+                "-A",
+                "POSTROUTING",
+                "-s",
+                f"{lan_net}.0/24",
+                "-o",
+                "wan",
+                "-j",
+                "MASQUERADE",
+            ],
+            ["iptables", "-P", "FORWARD", "DROP"],
+            ["iptables", "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT"],
+            [
+                "iptables",
+                "-A",
+                "FORWARD",
+                "-i",
+                "wan",
+                "-o",
+                "lan",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "ESTABLISHED,RELATED",
+                "-j",
+                "ACCEPT",
+            ],
+        ):
+            subprocess.run([*inside, *cmd], check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
+        return host
 
     def cut(self, i: int) -> None:
         """Partition host ``i`` (0-based): detach its veth from the bridge."""
@@ -192,6 +277,9 @@ class Lab:
             _kill_namespace_pids(host.name)  # anything else still living in the namespace
             _ip("netns", "del", host.name, check=False)
             _ip("link", "del", host.veth, check=False)  # normally gone with the namespace
+        for name in [h.name for h in self.natted] + self.routers:
+            _kill_namespace_pids(name)
+            _ip("netns", "del", name, check=False)  # the router's veths go with it
         for rule in self.iptables_rules:
             subprocess.run(
                 ["iptables", "-D", *rule],

@@ -11,6 +11,9 @@ from protocol.messages import (
     MESSAGE_TYPES,
     Ack,
     Backward,
+    DialBack,
+    DialBackResult,
+    DialProbe,
     Error,
     FetchState,
     Forward,
@@ -71,6 +74,9 @@ def test_every_message_type_round_trips() -> None:
         ),
         HeadBackup(step=3, sender="p" * 32, tensors={"param.lm_head.weight": torch.ones(2, 2)}),
         Rollback(stage=2, step=40, sender="p" * 32),
+        DialBack(address="10.0.0.7:7070", nonce="n1", sender="p" * 32),
+        DialProbe(nonce="n1"),
+        DialBackResult(reached=False, observed_host="10.0.0.9", detail="refused"),
     ]
     assert {type(m) for m in msgs} == set(MESSAGE_TYPES.values())
     for msg in msgs:

@@ -73,6 +73,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_peers_refused_table_full": ("counter", set()),
     "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
+    "murmur_reachability": ("gauge", {"state"}),
     "murmur_stage_replicas": ("gauge", {"stage"}),
     "murmur_stage_throughput_samples_per_second": ("gauge", {"stage"}),
     "murmur_loss": ("gauge", set()),
@@ -135,6 +136,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "act_max": 7.5,
         "act_min": -6.25,
         "grad_norm_preclip": 3.5,
+        "reachability": {"state": "direct", "detail": "dialled back by 2 peer(s)"},
         "attn_logit_max": {"0": 11.5, "1": 12.25},
         "steps_skipped": 2,
         "lr_scale": 1.1,
@@ -283,6 +285,8 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_attention_logit_max", stage="0", block="1") == 12.25
     assert one("murmur_inner_steps_skipped_total", stage="0") == 2
     assert one("murmur_lr_scale", stage="0") == 1.1
+    assert one("murmur_reachability", state="direct") == 1.0
+    assert one("murmur_reachability", state="unreachable") == 0.0
     assert one("murmur_microbatches_total", outcome="completed") == 90
     assert one("murmur_microbatches_total", outcome="dropped") == 0  # known outcome, zero
     assert one("murmur_microbatches_issued_total") == 100

@@ -16,6 +16,7 @@ Does not own routing, peers, or the wire; the daemon hands it tensors and ids.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from node.stage.stash import WeightStash
 from swarm.outer import DiLoCoConfig, NoLoCoConfig
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 RATE_DECAY = 0.95
 """Per piece of work (a forward, a backward) decay of the service-rate sums: ~20 pieces."""
@@ -334,6 +336,10 @@ class StageRunner:
         )
         self.thermo.grad_norm_preclip = norm
         if self.grad_guard.is_spike(norm):  # skip this step: drop its gradients
+            average = self.grad_guard.average
+            log.warning(
+                "inner step %d skipped: gradient norm %.3g, average %.3g", self.step, norm, average
+            )
             self.optimizer.zero_grad(set_to_none=True)
             if kept is not None:
                 for p, held in zip(params, kept, strict=True):

@@ -1,0 +1,188 @@
+"""Reachability: whether peers can dial this node, known from peers rather than guessed.
+
+Most volunteers sit behind a home router or a carrier NAT: they dial out, nobody dials in,
+and every hop is a request *to* the node serving the next stage. A node that cannot be
+dialled serves nothing, so it must know it (libp2p's AutoNAT asks the same question the same
+way: peers dial back). This module owns both sides of the check:
+
+- **asking.** Before a node takes a stage, and whenever the address it announces changes, it
+  asks up to ``NUM_ASKED`` peers to dial it back at that address with a fresh nonce
+  (``DialBack``). It is ``direct`` when a peer connected and the nonce arrived here,
+  ``unreachable`` when peers answered and none could connect, and ``unknown`` while there
+  is nobody to ask (the swarm's first node) or nobody answered (a peer that does not answer
+  says nothing about this node). The verdict, with one line of advice, is logged, shown by
+  ``node status`` and exported as a metric.
+- **answering.** A peer's ``DialBack`` is dialled back only at the host its request came
+  from, so nobody can make this node connect anywhere else (a host that announces another
+  address than it connects from is behind a NAT, and is told so without a dial); at most
+  ``MAX_DIALS`` at once, each within ``DIAL_TIMEOUT_S``. An asker that could not be dialled
+  is avoided by this node's router for ``AVOID_S``.
+- **arriving.** A ``DialProbe`` carrying a nonce this node issued proves a dial-back reached
+  it (a peer's word alone is not enough: it could be wrong or lie).
+
+The daemon does not let an ``unreachable`` node take a stage: it says so and checks again
+every ``net.reachability_retry_s``. Relays, which would let such a node serve anyway through
+a reachable peer, are not built yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Any
+
+from node.config import parse_hostport
+from node.context import NodeContext
+from protocol.messages import Ack, DialBack, DialBackResult, DialProbe, PeerRecord, expect
+from swarm.seams import Refused, TransportError
+
+log = logging.getLogger(__name__)
+
+NUM_ASKED = 2
+"""Peers asked to dial back in one check."""
+DIAL_TIMEOUT_S = 3.0
+"""How long a dial-back may take (a connection and one small request)."""
+MAX_DIALS = 4
+"""Dial-backs this node makes for others at once; more requests are answered busy."""
+AVOID_S = 60.0
+"""How long this node's router avoids a peer it could not dial back."""
+RECHECK_UNKNOWN_S = 30.0
+"""A node that found nobody to ask checks again this often once peers are known."""
+
+DIRECT, UNREACHABLE, UNKNOWN = "direct", "unreachable", "unknown"
+
+
+class ReachabilityService:
+    """This node's reachability (asking) and its dial-backs for peers (answering)."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.state = UNKNOWN
+        self.checked_address = ""
+        """The address the last check was about."""
+        self.detail = "not checked yet"
+        self.checked_by: list[str] = []
+        self.checked_at: float | None = None
+        self._nonces: dict[str, bool] = {}
+        """Nonces of this node's checks in flight -> whether a dial-back brought it here."""
+        self._dials = 0
+
+    # ---- asking -------------------------------------------------------------------------
+
+    async def check(self) -> str:
+        """Ask peers to dial this node back at its announced address; returns the state."""
+        ctx = self.ctx
+        address = ctx.state.address
+        peers = [p for p in ctx.table.records() if p.address and not p.leaving]
+        ctx.rng.shuffle(peers)
+        asked = peers[:NUM_ASKED]
+        if not asked:
+            self._settle(UNKNOWN, address, [], "no peer to ask yet")
+            return self.state
+        results = await asyncio.gather(*(self._ask(p, address) for p in asked))
+        verdicts = {p.peer_id: v for p, (v, _) in zip(asked, results, strict=True)}
+        reached = [pid for pid, v in verdicts.items() if v is True]
+        refused = [pid for pid, v in verdicts.items() if v is False]
+        if reached:
+            self._settle(DIRECT, address, reached, f"dialled back by {len(reached)} peer(s)")
+        elif refused:
+            why = next(d for v, d in results if v is False)
+            self._settle(UNREACHABLE, address, refused, why)
+        else:
+            self._settle(UNKNOWN, address, [], results[0][1])
+        return self.state
+
+    def due(self, address: str) -> bool:
+        """Whether to check again: the announced address changed, or the last check found
+        nobody to ask and peers have come since (at most every ``RECHECK_UNKNOWN_S``)."""
+        if address != self.checked_address:
+            return True
+        age = time.monotonic() - (self.checked_at or 0.0)
+        return self.state == UNKNOWN and len(self.ctx.table) > 0 and age >= RECHECK_UNKNOWN_S
+
+    async def _ask(self, peer: PeerRecord, address: str) -> tuple[bool | None, str]:
+        """One peer's dial-back: (reached, or None when the peer did not answer; why)."""
+        nonce = secrets.token_hex(8)
+        self._nonces[nonce] = False
+        msg = DialBack(address=address, nonce=nonce, sender=self.ctx.peer_id)
+        try:
+            reply = await self.ctx.transport.request(
+                peer.address, msg, DIAL_TIMEOUT_S + 5.0, peer.peer_id
+            )
+            result = expect(reply, DialBackResult)
+        except (TransportError, ValueError) as e:
+            return None, f"peer {peer.peer_id[:8]} did not answer the check ({e})"
+        finally:
+            arrived = self._nonces.pop(nonce, False)
+        if result.reached and arrived:
+            return True, ""
+        return False, result.detail or "the dial-back did not arrive"
+
+    def _settle(self, state: str, address: str, peers: list[str], detail: str) -> None:
+        changed = (state, address) != (self.state, self.checked_address)
+        self.state, self.checked_address, self.checked_by = state, address, peers
+        self.detail, self.checked_at = detail, time.monotonic()
+        if changed:
+            level = logging.WARNING if state == UNREACHABLE else logging.INFO
+            log.log(level, "reachability: %s at %s (%s)%s", state, address, detail, self._advice())
+
+    def _advice(self) -> str:
+        if self.state != UNREACHABLE:
+            return ""
+        _, port = parse_hostport(self.checked_address)
+        return (
+            f"; peers cannot open connections to this node, so it cannot serve a stage: "
+            f"forward TCP port {port} on your router to this machine and start it with "
+            f"--announce PUBLIC_IP, or run it on a machine with a public address "
+            f"(relays are not supported yet)"
+        )
+
+    # ---- answering ----------------------------------------------------------------------
+
+    async def on_dial_back(self, msg: DialBack, peer_host: str) -> DialBackResult:
+        """Dial the asker back at its address, if that is the host the request came from."""
+        host, _ = parse_hostport(msg.address, "dial-back address")
+        if host != peer_host:
+            detail = (
+                f"this node announces {host} but its requests come from {peer_host}: "
+                "it is behind a NAT (or announces a wrong address)"
+            )
+            self._avoid(msg.sender)
+            return DialBackResult(reached=False, observed_host=peer_host, detail=detail)
+        if self._dials >= MAX_DIALS:
+            raise Refused("busy", f"{self._dials} dial-backs in flight", 503)
+        self._dials += 1
+        try:
+            await self.ctx.transport.request(
+                msg.address, DialProbe(nonce=msg.nonce), DIAL_TIMEOUT_S, msg.sender
+            )
+        except TransportError as e:
+            self._avoid(msg.sender)
+            detail = f"{msg.address} did not accept a connection from a peer ({e.code})"
+            return DialBackResult(reached=False, observed_host=peer_host, detail=detail)
+        finally:
+            self._dials -= 1
+        return DialBackResult(reached=True, observed_host=peer_host, detail="")
+
+    def _avoid(self, peer_id: str) -> None:
+        self.ctx.router.avoid(peer_id, self.ctx.clock.now(), AVOID_S)
+
+    def on_probe(self, msg: DialProbe) -> Ack:
+        """A dial-back arrived: it proves the check whose nonce it carries."""
+        if msg.nonce in self._nonces:
+            self._nonces[msg.nonce] = True
+        return Ack()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "address": self.checked_address,
+            "detail": self.detail,
+            "advice": self._advice().removeprefix("; "),
+            "checked_by": self.checked_by,
+            "age_s": None
+            if self.checked_at is None
+            else round(time.monotonic() - self.checked_at, 1),
+        }

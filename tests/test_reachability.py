@@ -1,0 +1,116 @@
+"""Reachability known from peers: real nodes dial each other back over HTTP on loopback."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from node.config import resolve_config
+from node.daemon import Node
+from node.display import format_status
+from protocol.messages import DialBack
+
+pytestmark = pytest.mark.timeout(60)
+
+SETTINGS = {"net.listen": "127.0.0.1:0", "net.zeroconf": False, "balance.benchmark_s": 0}
+
+
+@pytest.fixture
+async def nodes() -> AsyncIterator[Callable[..., Any]]:
+    started: list[Node] = []
+
+    async def make(**settings: Any) -> Node:
+        node = Node(resolve_config(overrides={**SETTINGS, **settings}))
+        await node.start_server()
+        started.append(node)
+        return node
+
+    yield make
+    for node in started:
+        await node.close()
+
+
+def introduce(*nodes: Node) -> None:
+    for me in nodes:
+        for other in nodes:
+            if other is not me:
+                me.table.observe(other.record(), me.clock.now())
+
+
+async def test_a_node_peers_can_dial_is_direct(nodes: Any) -> None:
+    a, b = await nodes(), await nodes()
+    assert a.reachability.state == "unknown"
+    assert await a.reachability.check() == "unknown"  # nobody to ask yet
+    introduce(a, b)
+    assert await a.reachability.check() == "direct"
+    st = a.status()["reachability"]
+    assert st["state"] == "direct" and st["checked_by"] == [b.peer_id] and st["advice"] == ""
+    assert "reachability: direct" in format_status(a.status())
+
+
+async def test_an_address_nobody_can_open_is_unreachable_and_avoided(nodes: Any) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    a, b = await nodes(), await nodes()
+    a.state.address = f"127.0.0.1:{closed}"  # what it announces: its real port is closed to us
+    introduce(a, b)
+    assert await a.reachability.check() == "unreachable"
+    st = a.status()["reachability"]
+    assert "did not accept a connection" in st["detail"]
+    assert f"forward TCP port {closed}" in st["advice"]
+    assert b.router.stats[a.peer_id].banned_until > b.clock.now()  # b routes nothing to it
+    text = format_status(a.status())
+    assert "reachability: unreachable" in text and "forward TCP port" in text
+
+
+async def test_a_node_announcing_another_host_than_it_connects_from_is_told(nodes: Any) -> None:
+    a, b = await nodes(), await nodes()
+    introduce(a, b)
+    port = a.state.address.rsplit(":", 1)[1]
+    a.state.address = f"192.168.7.2:{port}"  # a private address behind a home router
+    assert await a.reachability.check() == "unreachable"
+    assert "behind a NAT" in a.status()["reachability"]["detail"]
+
+
+async def test_a_dial_back_goes_only_to_the_asking_host(nodes: Any) -> None:
+    """Nobody can make a node connect elsewhere: the address's host must be the asker's."""
+    b = await nodes()
+    result = await b.reachability.on_dial_back(
+        DialBack(address="10.9.9.9:80", nonce="n", sender="x" * 16), peer_host="127.0.0.1"
+    )
+    assert not result.reached and result.observed_host == "127.0.0.1"
+    assert "behind a NAT" in result.detail
+
+
+async def test_an_unreachable_node_takes_no_stage(nodes: Any) -> None:
+    import asyncio
+
+    a = await nodes(**{"net.reachability_retry_s": 0.2})
+    b = await nodes()
+    introduce(a, b)
+    port = a.state.address.rsplit(":", 1)[1]
+    a.state.address = f"192.168.7.2:{port}"
+    waiting = asyncio.ensure_future(a._until_reachable())
+    await asyncio.sleep(1.0)
+    assert not waiting.done() and a.state.stage == -1  # still refusing to take one
+    a.state.address = f"127.0.0.1:{port}"  # the volunteer fixed it (an --announce, a port)
+    await asyncio.wait_for(waiting, 10)
+    assert a.reachability.state == "direct"
+
+
+async def test_a_peer_that_does_not_answer_says_nothing_about_us(nodes: Any) -> None:
+    """A dead peer still in the table (it has not expired yet) must not make a node think
+    it is unreachable: that would keep it from taking a stage for nothing."""
+    from protocol.messages import PeerRecord
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    a = await nodes()
+    a.table.observe(PeerRecord(peer_id="d" * 16, address=dead, stage=1, ready=True), 0.0)
+    assert await a.reachability.check() == "unknown"
+    assert "did not answer" in a.status()["reachability"]["detail"]
