@@ -200,7 +200,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     runs = result["runs"]
     names = list(SPEEDS) + list(CONTROL)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     width = 0.8 / len(runs)
     for i, run_ in enumerate(runs):
         xs = [j + i * width for j in range(len(names))]
@@ -214,8 +214,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
         ax.set_xticklabels(names, rotation=30, fontsize=8)
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left" if ax is axes[0] else "best")
     axes[0].axhline(0.9, color="grey", lw=0.8, ls="--")
+    for i, run_ in enumerate(runs):
+        for stage, style in (("1", "-"), ("2", ":")):
+            samples = run_["stages"][stage]["spread_samples"]
+            minutes = [(k + 1) * result["settings"]["sample_s"] / 60 for k in range(len(samples))]
+            label = f"{run_['schedule']}, stage {stage}" + (" (unequal)" if stage == "1" else "")
+            axes[2].semilogy(
+                minutes, [max(s, 1e-6) for s in samples], style, color=f"C{i}", label=label
+            )
+    axes[2].set_title("spread: RMS of slow weights from the stage mean")
+    axes[2].set_xlabel("minutes")
+    axes[2].legend(fontsize=7)
     fig.suptitle("NoLoCo, stage 1: two fast, one 2x and one 4x slower; stage 2: four equal")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -235,6 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out")
     args = p.parse_args(argv)
     if args.quick:
         args.minutes, args.outer_steps, args.step_samples, args.round_s = 3.0, 4, 16, 0.0
@@ -244,6 +256,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    name = "sync_unequal-quick" if args.quick else "sync_unequal"
+    if args.replot:
+        result: dict[str, Any] = json.loads((args.out / f"{name}.json").read_text())
+        plot(result, args.out / f"{name}.png")
+        return result
     runs = []
     with tempfile.TemporaryDirectory(prefix="sync-unequal-") as tmp:
         for schedule in args.schedules.split(","):
@@ -253,7 +270,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs}
     result["settings"]["out"] = str(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "sync_unequal-quick" if args.quick else "sync_unequal"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_plot:
         plot(result, args.out / f"{name}.png")
