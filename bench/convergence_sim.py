@@ -138,6 +138,9 @@ class SimulatedSwarm:
         return int(ids.numel())
 
     def _synchronise(self) -> None:
+        """Run the rounds that came due on every replica of a stage. A replica that skipped
+        an inner step (its gradient norm spiked) reaches the round a step later; those
+        already there hold their steps meanwhile, as the daemon's replicas do."""
         for row in self.runners:
             due = {r.sync_due for r in row}
             if due == {"outer"}:
@@ -152,8 +155,6 @@ class SimulatedSwarm:
                 for r in row:
                     r.apply_grads(mean)
                     r.finish_sync(False)
-            else:
-                assert due == {None}, f"replicas of a stage out of step: {due}"
 
     def _noloco(self, row: list[StageRunner]) -> None:
         order = list(range(len(row)))

@@ -21,6 +21,14 @@ def test_unequal_replicas_keep_pairing_on_the_clock_schedule(tmp_path: Path) -> 
     result = main(["--quick", "--schedules", "clock", "--no-plot", "--out", str(tmp_path)])
     run = result["runs"][0]
     shares = {name: r["paired_share"] for name, r in run["replicas"].items()}
+    print(  # the figures, for whoever reads the test's output
+        {
+            "paired": shares,
+            "fast_over_slow4": run["fast_over_slowest_steps"],
+            "spread_ratio": run["spread_ratio_to_equal"],
+            "speed": run["speed_ratios"],
+        }
+    )
     rounds = {name: sum(r["rounds"].values()) for name, r in run["replicas"].items()}
     assert min(rounds.values()) >= 20, rounds  # 3 minutes of 4 s rounds
     assert min(shares.values()) >= 0.9, shares
