@@ -43,12 +43,15 @@ REPLICAS = 4
 """Block-stage replicas; the last one is the poisoner in a poisoned run."""
 ROUNDS = 10
 """Outer rounds of every block replica."""
+CATCH_UP_STEPS = 8
+"""Steps a replica may lag at a round before it sits the round out."""
 BOUND = 0.01
 """Issue 7: the others' eval loss within 1 % of a clean run."""
 SETTINGS = {
     "swarm.num_block_stages": "1",
     "sync.method": "noloco",
     "sync.outer_steps": "5",
+    "sync.schedule": "steps",  # lockstep replicas: a round every 5 steps, not on the clock
     "train.step_samples": "16",
     "train.warmup_steps": "10",
     "train.total_steps": "200",
@@ -67,6 +70,8 @@ class Run:
     """Offers each block replica refused."""
     paired: list[int] = field(default_factory=lambda: [0] * REPLICAS)
     banned: list[set[int]] = field(default_factory=lambda: [set() for _ in range(REPLICAS)])
+    late: int = 0
+    """Microbatches run by replicas a skipped step had left behind the round."""
 
     @property
     def honest_loss(self) -> list[float]:
@@ -113,9 +118,20 @@ def train(poison: str = "", screen_multiple: str | None = None) -> Run:
             for k in range(REPLICAS):  # round robin: every replica steps in lockstep
                 microbatch(k, f"mb{mb}")
                 mb += 1
-        assert all(b.sync_due == "outer" for b in blocks)
-        offers = [b.outer_contribution(base.sync.codec) for b in blocks]
-        order = list(range(REPLICAS))
+        # a replica whose spike guard skipped a step reaches the round that many steps
+        # later; the others wait for it, as the daemon's round waits (up to a bound: one
+        # that skips every step, say on NaN weights, sits the round out)
+        for _ in range(CATCH_UP_STEPS * per_step):
+            late = [k for k, b in enumerate(blocks) if b.sync_due != "outer"]
+            if not late:
+                break
+            run.late += len(late)
+            for k in late:
+                microbatch(k, f"mb{mb}")
+                mb += 1
+        ready = [k for k, b in enumerate(blocks) if b.sync_due == "outer"]
+        offers = {k: blocks[k].outer_contribution(base.sync.codec) for k in ready}
+        order = list(ready)
         pairing.shuffle(order)
         partner: dict[int, int] = {}
         while len(order) >= 2:
@@ -128,8 +144,8 @@ def train(poison: str = "", screen_multiple: str | None = None) -> Run:
                 continue  # nobody left who would pair with i: a solo step
             order.remove(j)
             partner[i], partner[j] = j, i
-        for k, b in enumerate(blocks):
-            offer = None
+        for k in ready:
+            b, offer = blocks[k], None
             if k in partner:
                 offer = b.decode_offer(offers[partner[k]])
                 if screens[k].judge(offer.distance, offer.scale, offer.movement) is not None:
@@ -162,6 +178,7 @@ def test_runs_with_the_same_seeds_are_identical(clean: Run) -> None:
     assert again.eval_loss == clean.eval_loss
     assert sum(clean.paired) >= REPLICAS * ROUNDS // 2  # replicas really average
     assert not any(clean.refused)  # and honest offers pass the screen
+    assert clean.late == 0  # nothing spikes in a clean run: the replicas stay in lockstep
     assert all(math.isfinite(x) and x < 4.5 for x in clean.eval_loss), clean.eval_loss
 
 

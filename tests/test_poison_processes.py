@@ -57,6 +57,7 @@ SETTINGS = {
     "membership.ttl_s": "6",
     "swarm.num_block_stages": "2",
     "sync.outer_steps": "4",
+    "sync.schedule": "steps",  # a round every 4 steps: a budget of 24 holds several
     "sync.round_deadline_s": "5",
     "sync.request_timeout_s": "3",
     "sync.hold_s": "2",
