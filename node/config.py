@@ -98,6 +98,20 @@ class NetConfig:
     unreachable node (behind a NAT, say) takes no stage and says why."""
     reachability_retry_s: float = 30.0
     """How often an unreachable node checks again."""
+    relays: int = 2
+    """Relays a node that cannot be dialled keeps (``node.net.relay``); 0: it relays nothing
+    and, unreachable, takes no stage."""
+    force_relay: bool = False
+    """Serve through relays without asking whether peers can dial this node (a volunteer
+    who knows it is behind a NAT; tests and benchmarks on one host)."""
+    relay_capacity: int = 8
+    """Nodes this one relays for, once peers can dial it (0: relay for nobody)."""
+    relay_max_bytes_per_s: float = 100e6
+    """Frame bytes per second this node relays, both ways together (0: no cap); beyond it,
+    relayed requests are refused with ``relay_busy``."""
+    debug_relay_tamper: bool = False
+    """Testing only: as a relay, flip one byte of every frame passed on (a keyed swarm's
+    nodes must refuse them)."""
     inject_latency_s: float = 0.0
     """Testbeds only: one-way delay added to every message this node sends (no netem here)."""
     inject_bandwidth_mbps: float = 0.0
@@ -464,6 +478,12 @@ def _validate(c: Config) -> None:
         raise ValueError(f"train.slowdown must be at least 1, got {c.train.slowdown}")
     if c.sync.round_s < 0:
         raise ValueError(f"sync.round_s must be 0 (derived) or positive, got {c.sync.round_s}")
+    if c.net.relays < 0 or c.net.relay_capacity < 0 or c.net.relay_max_bytes_per_s < 0:
+        raise ValueError(
+            "net.relays, net.relay_capacity and net.relay_max_bytes_per_s must be >= 0"
+        )
+    if c.net.force_relay and c.net.relays < 1:
+        raise ValueError("net.force_relay needs net.relays >= 1")
     if not _poison_spec_ok(c.sync.debug_poison):
         raise ValueError(
             f'sync.debug_poison must be "", "nan" or "scale:K", not {c.sync.debug_poison!r}'

@@ -32,8 +32,17 @@ from node.config import Config, describe, parse_hostport
 from node.context import NodeContext, NodeState
 from node.identity import swarm_auth
 from node.metrics import MetricsServer, start_metrics_server
-from node.net.addresses import ANY_HOST, announce_host, observed_address
+from node.net.addresses import (
+    ANY_HOST,
+    DIRECT,
+    RELAYED,
+    UNKNOWN,
+    UNREACHABLE,
+    announce_host,
+    observed_address,
+)
 from node.net.netem import shaped
+from node.net.relay import RelayClient, RelayHub, RelayRoutes
 from node.net.transport import HttpTransport, TrafficStats, server_stats
 from node.pipeline import HopSender, WorkQueue
 from node.roles.base import StageRole
@@ -59,6 +68,9 @@ from swarm.routing import Router
 from swarm.seams import MonotonicClock
 
 log = logging.getLogger(__name__)
+
+RELAY_WAIT_S = 2.0
+"""How often a node forced to relay (``net.force_relay``) looks for a relay until it has one."""
 
 
 class Node:
@@ -123,6 +135,20 @@ class Node:
         self.guard = RequestGuard(self.ctx)  # admission of requests, bans of hostile peers
         self.states = StateFetcher(self.ctx, self.guard)
         self.reachability = ReachabilityService(self.ctx)
+        net = self.config.net
+        self.relay_hub = RelayHub(
+            peer_id=self.peer_id,
+            auth=self.auth,
+            max_frame_bytes=net.max_frame_bytes,
+            capacity=net.relay_capacity,
+            max_bytes_per_s=net.relay_max_bytes_per_s,
+            tamper=net.debug_relay_tamper,
+        )
+        # a node relays once peers can dial it (or nobody has said they cannot)
+        self.relay_hub.enabled = lambda: (
+            not net.force_relay and self.reachability.state in (DIRECT, UNKNOWN)
+        )
+        self.http.routes = RelayRoutes(self.relay_hub, self.table.records).route
         self.recovery = RecoveryService(
             self.ctx, states=self.states, record=self.record, move_to=self.move_to
         )
@@ -139,10 +165,18 @@ class Node:
             membership=self.membership,
             recovery=self.recovery,
             reachability=self.reachability,
+            relay_hub=self.relay_hub,
             work=self.work,
             role=lambda: self.role,
             sync=lambda: self.sync,
             status=self.status,
+        )
+        self.relays = RelayClient(
+            peer_id=self.peer_id,
+            auth=self.auth,
+            max_frame_bytes=net.max_frame_bytes,
+            want=net.relays,
+            serve=self.server.serve_relayed,
         )
 
     @property
@@ -170,6 +204,8 @@ class Node:
             data_shard=head.shard if head else -1,
             movable=self.balancer.movable,
             step_s=r.step_s if r else 0.0,
+            relays=self.relays.addresses,
+            relay_slots=self.relay_hub.slots(),
         )
 
     def status(self) -> dict[str, Any]:
@@ -217,6 +253,11 @@ class Node:
         if self.sync is not None:
             out["sync"] = self.sync.status()
         out["reachability"] = self.reachability.status()
+        out["relay"] = {
+            "via": self.relays.status(),
+            "served": dict(self.relays.served),
+            **self.relay_hub.status(),
+        }
         out["recovery"] = self.recovery.status()
         out["balance"] = self.balancer.status()
         if isinstance(self.role, HeadRole):
@@ -277,6 +318,7 @@ class Node:
         port = await self.server.start()
         host, _ = parse_hostport(self.config.net.listen, "net.listen")
         self.state.address = f"{announce_host(self.config.net, host)}:{port}"
+        self.router.here = self.state.address
         log.info(
             "node %s listening on %s:%d, announcing %s",
             self.peer_id,
@@ -322,7 +364,7 @@ class Node:
         """Take the address peers see us connect from, when it is ours and we were guessing."""
         seen = observed_address(self.config.net, self.state.address, self.membership.observed_host)
         if seen is not None:
-            self.state.address = seen
+            self.state.address = self.router.here = seen
 
     async def _join(self) -> None:
         """Listen for the swarm, pick a stage, get its weights, start serving."""
@@ -338,13 +380,41 @@ class Node:
         await self.take_stage(stage)
 
     async def _until_reachable(self) -> None:
-        """Take no stage while peers cannot dial this node: it could serve nothing. Check
-        again every ``net.reachability_retry_s`` (the address may change, a port be opened)."""
-        if not self.config.net.check_reachability:
+        """Take no stage while peers can neither dial this node nor reach it through a relay:
+        it could serve nothing. Try again every ``net.reachability_retry_s`` (the address may
+        change, a port be opened, a relay come)."""
+        net = self.config.net
+        if net.force_relay:
+            while not await self._relay():
+                await asyncio.sleep(RELAY_WAIT_S)
             return
-        while await self.reachability.check() == "unreachable":
-            await asyncio.sleep(self.config.net.reachability_retry_s)
+        if not net.check_reachability:
+            return
+        while await self.reachability.check() == UNREACHABLE:
+            if net.relays and await self._relay():
+                return
+            await asyncio.sleep(net.reachability_retry_s)
             self._adopt_observed()
+
+    async def _relay(self) -> bool:
+        """Attach to relays until ``net.relays`` are held (a dead one replaced); True while
+        at least one is."""
+        changed = await self.relays.top_up(self.table.records())
+        if changed or self.reachability.state != RELAYED:
+            self.reachability.relayed(self.relays.addresses)
+        return bool(self.relays.addresses)
+
+    async def _check_reachability(self) -> None:
+        """Housekeeping's part: keep relays while relayed, check again when it is due."""
+        net = self.config.net
+        relayed = self.reachability.state in (RELAYED, UNREACHABLE) and net.relays > 0
+        if net.force_relay or (relayed and self.relays.addresses):
+            await self._relay()
+            return
+        due = net.check_reachability and self.reachability.due(self.state.address)
+        # the address changed, or nobody had answered
+        if due and await self.reachability.check() == UNREACHABLE and net.relays:
+            await self._relay()
 
     async def take_stage(self, stage: int) -> None:
         """Build ``stage``'s runner and role, get its weights (copy, rebuild or seed), serve."""
@@ -422,8 +492,7 @@ class Node:
         while True:
             await asyncio.sleep(1.0)
             self._adopt_observed()
-            if self.config.net.check_reachability and self.reachability.due(self.state.address):
-                await self.reachability.check()  # the address changed, or nobody had answered
+            await self._check_reachability()
             if self.sync is not None:
                 self.sync.forget_stale_rounds()
             runner = self.state.the_runner()
@@ -460,6 +529,8 @@ class Node:
             self._metrics.close()
         if self.discovery is not None:
             await self.discovery.stop()
+        await self.relays.close()
+        await self.relay_hub.close()
         await self.http.close()
         await self.server.close()
         if self.state.runner is not None:

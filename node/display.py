@@ -22,6 +22,13 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"  reachability: {reach['state']} ({reach['detail']})")
         if reach.get("advice"):
             lines.append(f"    {reach['advice']}")
+    relay = st.get("relay")
+    if relay and relay.get("nodes"):
+        moved = sum(relay.get("bytes", {}).values()) / 1e6
+        lines.append(
+            f"  relaying for {len(relay['nodes'])} of up to {relay['capacity']} nodes "
+            f"that cannot be dialled ({moved:.1f} MB so far)"
+        )
     if st["stage"] >= 0 and st["ready"]:
         lines.append(_thermometers(st))
     if st["stage"] == 0:

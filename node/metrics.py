@@ -39,6 +39,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from node.net.addresses import REACHABILITY_STATES
 from node.net.transport import TrafficStats
 
 log = logging.getLogger(__name__)
@@ -291,12 +292,48 @@ def _reachability_family(st: dict[str, Any]) -> Iterator[Metric]:
         return
     family = GaugeMetricFamily(
         "murmur_reachability",
-        "1 for this node's reachability as peers found it: direct, unreachable or unknown.",
+        "1 for this node's reachability as peers found it: direct, relayed, unreachable or "
+        "unknown.",
         labels=["state"],
     )
-    for state in ("direct", "unreachable", "unknown"):
+    for state in REACHABILITY_STATES:
         family.add_metric([state], float(reach.get("state") == state))
     yield family
+    relay = st.get("relay")
+    if not isinstance(relay, dict):
+        return
+    yield GaugeMetricFamily(
+        "murmur_relays_used",
+        "Relays this node, which peers cannot dial, is attached to (0: dialled directly).",
+        value=len(relay.get("via", [])),
+    )
+    yield GaugeMetricFamily(
+        "murmur_relay_nodes",
+        "Nodes that cannot be dialled this node relays for now.",
+        value=len(relay.get("nodes", [])),
+    )
+    yield GaugeMetricFamily(
+        "murmur_relay_capacity",
+        "Nodes this node may relay for (net.relay_capacity; 0 while it is relayed itself).",
+        value=relay.get("capacity", 0),
+    )
+    moved = CounterMetricFamily(
+        "murmur_relay_bytes",
+        "Frame bytes this node relayed, to the relayed nodes (requests) and from them.",
+        labels=["direction"],
+    )
+    for direction in ("to_node", "from_node"):
+        moved.add_metric([direction], relay.get("bytes", {}).get(direction, 0))
+    yield moved
+    relayed = CounterMetricFamily(
+        "murmur_relay_requests",
+        "Requests this node relayed, by outcome: ok or the refusal's code (relay_gone, "
+        "relay_busy, timeout, auth_*).",
+        labels=["outcome"],
+    )
+    for outcome, n in {"ok": 0, **relay.get("requests", {})}.items():
+        relayed.add_metric([outcome], n)
+    yield relayed
 
 
 def _peer_families(st: dict[str, Any]) -> Iterator[Metric]:

@@ -1,4 +1,4 @@
-"""The node's HTTP face: one ``/rpc`` endpoint for peers, three endpoints for operators.
+"""The node's HTTP face: ``/rpc`` and the relay's endpoints for peers, three for operators.
 
 Owns the aiohttp application and what happens to a request before a service works on it:
 
@@ -10,6 +10,10 @@ Owns the aiohttp application and what happens to a request before a service work
   (after their route and activations are checked); the runner for ``FetchState``; the sync
   service for gossip and ring chunks; recovery for head backups and rollbacks; the
   reachability check for dial-backs and their probes.
+- A frame a relay brings for this node over its WebSocket (``node.net.relay``) is served the
+  same way (``serve_relayed``), proof and all; only dial-backs are refused that way.
+- ``GET /relay`` and ``POST /relay/<peer id>``: this node relaying for nodes that cannot be
+  dialled (``node.net.relay.RelayHub``).
 - ``GET /status``: the node's view of the swarm, as JSON.
 - ``POST /eval`` (a ready head node evaluates now) and ``POST /profile?seconds=S`` (the
   compute thread's torch operators, ``node.stage.opprofile``): they cost the node work, so
@@ -27,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +40,18 @@ from aiohttp import web
 from node.config import parse_hostport
 from node.context import NodeContext
 from node.logs import RateLimitedLog
-from node.net.transport import RPC_PATH, frame_response, read_frame, sealed_response
+from node.net.relay import RelayHub
+from node.net.transport import (
+    RELAY_PATH,
+    RPC_PATH,
+    Served,
+    frame_response,
+    open_frame,
+    read_body,
+    response_frame,
+    sealed_response,
+    server_stats,
+)
 from node.pipeline import WorkQueue
 from node.roles.base import StageRole
 from node.roles.head import HeadRole
@@ -85,6 +100,7 @@ class NodeServer:
         membership: MembershipService,
         recovery: RecoveryService,
         reachability: ReachabilityService,
+        relay_hub: RelayHub,
         work: WorkQueue,
         role: Callable[[], StageRole | None],
         sync: Callable[[], StageSync | None],
@@ -99,12 +115,15 @@ class NodeServer:
         self.membership = membership
         self.recovery = recovery
         self.reachability = reachability
+        self.relay_hub = relay_hub
         self.work = work
         self.role = role
         self.sync = sync
         self.status = status
         self.app = web.Application(client_max_size=ctx.config.net.max_frame_bytes)
         self.app.router.add_post(RPC_PATH, self._handle_rpc)
+        self.app.router.add_get(RELAY_PATH, relay_hub.handle_attach)
+        self.app.router.add_post(RELAY_PATH + "/{peer}", relay_hub.handle_forward)
         self.app.router.add_get("/status", self._handle_status)
         self.app.router.add_post("/eval", self._handle_eval)
         self.app.router.add_post("/profile", self._handle_profile)
@@ -129,13 +148,35 @@ class NodeServer:
     # ---- /rpc ---------------------------------------------------------------------------
 
     async def _handle_rpc(self, request: web.Request) -> web.Response:
-        peer_host = request.remote or "?"
+        async def body() -> bytes | bytearray:
+            return await read_body(request, self.limits)
+
+        header = request.headers.get(AUTH_HEADER)
+        return await self._serve(header, body, request.remote or "?", relayed=False)
+
+    async def serve_relayed(self, header: str | None, frame: bytes, origin: str) -> Served:
+        """A frame a relay brought (``node.net.relay``), served as ``/rpc`` serves one."""
+
+        async def body() -> bytes:
+            return frame
+
+        resp = await self._serve(header, body, origin, relayed=True)
+        return resp.status, resp.headers.get(AUTH_HEADER), response_frame(resp)
+
+    async def _serve(
+        self,
+        header: str | None,
+        body: Callable[[], Awaitable[bytes | bytearray]],
+        peer_host: str,
+        relayed: bool,
+    ) -> web.Response:
+        """One frame in, one frame out: the proof's cheap checks before the body is read."""
         try:
-            incoming = self._authenticate(request)
-            msg = await read_frame(request, self.limits, incoming)
+            incoming = self._authenticate(header)
+            msg = await open_frame(await body(), self.limits, incoming, server_stats(self.app))
             if incoming is not None:
                 incoming.check_sender(msg)
-            reply = await self._dispatch(msg, peer_host)
+            reply = await self._dispatch(msg, peer_host, relayed)
         except ProtocolError as e:
             return self._refuse(e.code, str(e), e.http_status, peer_host)
         except Refused as e:
@@ -145,12 +186,11 @@ class NodeServer:
             return self._refuse("internal_error", f"{type(e).__name__}: {e}", 500, peer_host)
         return await sealed_response(reply, incoming)
 
-    def _authenticate(self, request: web.Request) -> Incoming | None:
-        """A keyed swarm's cheap checks of a request's proof, before its body is read."""
+    def _authenticate(self, header: str | None) -> Incoming | None:
+        """A keyed swarm's cheap checks of a ``POST /rpc`` proof, before the body is read."""
         if self.auth is None:
             return None
-        header = request.headers.get(AUTH_HEADER)
-        return self.auth.accept(header, request.method, request.path, time.time())
+        return self.auth.accept(header, "POST", RPC_PATH, time.time())
 
     def _refuse(self, code: str, message: str, status: int, peer_host: str) -> web.Response:
         self.ctx.counters[f"rejected_{code}"] += 1
@@ -159,7 +199,7 @@ class NodeServer:
         )
         return frame_response(Error(code=code, message=message), status=status)
 
-    async def _dispatch(self, msg: Message, peer_host: str) -> Message:
+    async def _dispatch(self, msg: Message, peer_host: str, relayed: bool) -> Message:
         self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
         if isinstance(msg, Hello):
             return self.membership.handle_hello(msg, peer_host)
@@ -174,6 +214,8 @@ class NodeServer:
         if isinstance(msg, FetchState):
             return await self._on_fetch_state(msg)
         if isinstance(msg, DialBack):
+            if relayed:  # the host it came from is only the relay's word: dial nobody
+                raise Refused("relayed", "dial-backs are not answered through a relay", 400)
             return await self.reachability.on_dial_back(msg, peer_host)
         if isinstance(msg, DialProbe):
             return self.reachability.on_probe(msg)
@@ -284,7 +326,10 @@ class NodeServer:
         """For the operator's endpoints that cost the node work (``/eval``, ``/profile``): in
         a keyed swarm, the refusal of a request without a valid proof over its empty body."""
         try:
-            incoming = self._authenticate(request)
+            incoming = None
+            if self.auth is not None:
+                header = request.headers.get(AUTH_HEADER)
+                incoming = self.auth.accept(header, request.method, request.path, time.time())
             if incoming is not None:
                 incoming.verify(frame_digest([]))
         except ProtocolError as e:

@@ -290,20 +290,36 @@ class SwarmAuth:
 
     def accept(self, header: str | None, method: str, path: str, now: float) -> Incoming:
         """The cheap checks on a request's proof, made before its body is read."""
-        proof = parse_proof(header)
-        skew = now - float(proof.ts)
-        if abs(skew) > self.window_s:
-            raise AuthStale(
-                f"request stamped {abs(skew):.0f}s {'behind' if skew > 0 else 'ahead of'} this "
-                f"node's clock, beyond the {self.window_s:.0f}s window (are both clocks set?)"
-            )
+        proof = self._fresh(parse_proof(header), now)
         if proof.to and proof.to != self.identity.peer_id:
             raise AuthMisdirected(
                 f"request meant for peer {proof.to[:8]}, this is {self.identity.peer_id[:8]}"
             )
         return Incoming(self, proof, ("request", method, path), now)
 
+    def accept_for(
+        self, peer_id: str, header: str | None, method: str, path: str, now: float
+    ) -> Incoming:
+        """A relay's cheap checks on a request it is to pass to ``peer_id``: the request must
+        be meant for that peer (and fresh); ``Incoming.verify`` then checks MAC and signature,
+        so a stranger cannot use this node as a relay."""
+        proof = self._fresh(parse_proof(header), now)
+        if proof.to != peer_id:
+            raise AuthMisdirected(
+                f"request meant for peer {proof.to[:8] or '(nobody)'}, relayed to {peer_id[:8]}"
+            )
+        return Incoming(self, proof, ("request", method, path), now)
+
     # ---- shared ---------------------------------------------------------------------------
+
+    def _fresh(self, proof: Proof, now: float) -> Proof:
+        skew = now - float(proof.ts)
+        if abs(skew) > self.window_s:
+            raise AuthStale(
+                f"request stamped {abs(skew):.0f}s {'behind' if skew > 0 else 'ahead of'} this "
+                f"node's clock, beyond the {self.window_s:.0f}s window (are both clocks set?)"
+            )
+        return proof
 
     def _seal(
         self, context: Sequence[str], digest: bytes, now: float, to: str, nonce: str = ""

@@ -72,6 +72,11 @@ class PeerRecord:
     step_s: float = 0.0
     """The peer's seconds per inner optimizer step (moving average), 0 until measured: its
     stage derives the period of its outer rounds from it (``swarm.schedule``)."""
+    relays: list[str] = field(default_factory=list)
+    """Addresses of the peers relaying for this one (empty: dial it directly); a sender tries
+    the first few (``node.net.relay.MAX_RELAYS``)."""
+    relay_slots: int = 0
+    """Nodes this peer could still relay for (0: it does not relay)."""
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ a relayed record carries its age, so information only ever comes from a peer's o
 heartbeats and cannot be kept alive by relaying alone; a peer silent for ``ttl_s`` expires
 everywhere. A peer that said goodbye leaves a tombstone so that stale relays do not
 resurrect it. A relay cannot move a peer we hear from directly: while its own heartbeats
-are fresh, the address they came with stands (a member relaying a false address for another
-peer's id cannot draw that peer's work).
+are fresh, the address and traffic relays they came with stand (a member passing on a false
+address or relay for another peer's id cannot draw that peer's work).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ class PeerTable:
         elif (
             entry.direct_s is not None
             and now - entry.direct_s <= self.ttl_s
-            and record.address != entry.record.address
+            and (record.address, record.relays) != (entry.record.address, entry.record.relays)
         ):
-            record = replace(record, address=entry.record.address)
+            record = replace(record, address=entry.record.address, relays=entry.record.relays)
         if seen >= entry.last_seen:
             entry.record, entry.last_seen = record, seen
         return False

@@ -11,7 +11,8 @@ banned for ``ban_s`` seconds. A peer caught misbehaving (poisoned weights, see
 it, and the daemon refuses its requests with ``banned`` until the quarantine ends; a
 ``Leave`` does not lift it. With all peers equally fast and idle the draw is uniform,
 which is what NoLoCo's seeded random permutation gives on average; with unequal peers the
-faster ones get proportionally more work.
+faster ones get proportionally more work. A replica that cannot be dialled and is reached
+through a relay (``PeerRecord.relays``) is chosen half as often as an equal direct one.
 
 Pure policy: callers pass ``now`` and a seeded ``random.Random``.
 """
@@ -23,6 +24,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from protocol.messages import PeerRecord
+
+
+RELAY_PENALTY = 2.0
+"""How much less often a replica reached through a relay is chosen than an equal one reached
+directly: each hop to it is two network hops (Petals down-weights relayed servers too). Not
+applied when this node is the relay: then the hop is one WebSocket message."""
 
 
 @dataclass
@@ -38,9 +45,11 @@ class PeerStats:
 
 
 def route_weights(
-    candidates: Sequence[PeerRecord], stats: dict[str, PeerStats], now: float
+    candidates: Sequence[PeerRecord], stats: dict[str, PeerStats], now: float, here: str = ""
 ) -> list[float]:
-    """Relative chance of each candidate: service rate / (1 + work ahead of ours); 0 if banned."""
+    """Relative chance of each candidate: service rate / (1 + work ahead of ours); 0 if banned;
+    divided by ``RELAY_PENALTY`` for a peer reached through a relay other than this node
+    (``here``: this node's address)."""
     known = [c.throughput for c in candidates if c.throughput > 0]
     probe_rate = max(known) if known else 1.0
     weights = []
@@ -50,7 +59,10 @@ def route_weights(
             weights.append(0.0)
             continue
         rate = c.throughput if c.throughput > 0 else probe_rate
-        weights.append(rate / (1.0 + c.queue + s.num_in_flight))
+        weight = rate / (1.0 + c.queue + s.num_in_flight)
+        if c.relays and here not in c.relays:
+            weight /= RELAY_PENALTY
+        weights.append(weight)
     return weights
 
 
@@ -62,6 +74,8 @@ class Router:
         self.ban_s = ban_s
         self.ema = ema
         self.stats: dict[str, PeerStats] = {}
+        self.here = ""
+        """This node's address (a relayed replica whose relay is this node costs no more)."""
 
     def choose(
         self, candidates: Sequence[PeerRecord], now: float, exclude: Collection[str] = ()
@@ -74,7 +88,7 @@ class Router:
         pool = [c for c in candidates if c.peer_id not in exclude]
         if not pool:
             return None
-        weights = route_weights(pool, self.stats, now)
+        weights = route_weights(pool, self.stats, now, self.here)
         if sum(weights) <= 0:
             return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
         return self.rng.choices(pool, weights=weights, k=1)[0]

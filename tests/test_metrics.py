@@ -74,6 +74,11 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_reachability": ("gauge", {"state"}),
+    "murmur_relays_used": ("gauge", set()),
+    "murmur_relay_nodes": ("gauge", set()),
+    "murmur_relay_capacity": ("gauge", set()),
+    "murmur_relay_bytes": ("counter", {"direction"}),
+    "murmur_relay_requests": ("counter", {"outcome"}),
     "murmur_stage_replicas": ("gauge", {"stage"}),
     "murmur_stage_throughput_samples_per_second": ("gauge", {"stage"}),
     "murmur_loss": ("gauge", set()),
@@ -137,6 +142,14 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "act_min": -6.25,
         "grad_norm_preclip": 3.5,
         "reachability": {"state": "direct", "detail": "dialled back by 2 peer(s)"},
+        "relay": {
+            "via": [],
+            "served": {},
+            "capacity": 8,
+            "nodes": ["ab" * 16, "cd" * 16],
+            "bytes": {"to_node": 4096, "from_node": 512},
+            "requests": {"ok": 30, "relay_busy": 2},
+        },
         "attn_logit_max": {"0": 11.5, "1": 12.25},
         "steps_skipped": 2,
         "lr_scale": 1.1,
@@ -287,6 +300,11 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_lr_scale", stage="0") == 1.1
     assert one("murmur_reachability", state="direct") == 1.0
     assert one("murmur_reachability", state="unreachable") == 0.0
+    assert one("murmur_reachability", state="relayed") == 0.0
+    assert one("murmur_relays_used") == 0 and one("murmur_relay_nodes") == 2
+    assert one("murmur_relay_capacity") == 8
+    assert one("murmur_relay_bytes_total", direction="to_node") == 4096
+    assert one("murmur_relay_requests_total", outcome="relay_busy") == 2
     assert one("murmur_microbatches_total", outcome="completed") == 90
     assert one("murmur_microbatches_total", outcome="dropped") == 0  # known outcome, zero
     assert one("murmur_microbatches_issued_total") == 100

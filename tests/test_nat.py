@@ -1,11 +1,17 @@
-"""A volunteer behind a home router: real hosts in network namespaces, a real NAT.
+"""Volunteers behind home routers: real hosts in network namespaces, real NATs.
 
-Host A (public) runs the head stage, host C (public) a block stage; host B sits behind its own
-router namespace, which masquerades B's private network with no port forwarded, so B dials
-out to anyone and nobody dials in. B's heartbeats reach A, but every hop to B would fail.
-Before, A listed B as a ready replica, routed work to it that failed, and B logged "serving
-stage 1" and nothing else. Now B asks peers to dial it back, learns it is unreachable, says
-so (log, ``node status``, advice), takes no stage, and the swarm trains through C.
+A NATed host sits behind its own router namespace, which masquerades its private network
+with no port forwarded: it dials out to anyone and nobody dials in. Its heartbeats reach the
+public hosts, but every hop sent to it directly would fail. Before, the head listed it as a
+ready replica, routed work to it that failed, and it logged "serving stage 1" and nothing
+else. Now it asks peers to dial it back, learns it cannot be dialled, and serves through a
+relay (``node.net.relay``): a WebSocket it opens to a public peer. The tests:
+
+- a public head and a NATed block node: the head is its relay, and the swarm learns;
+- two NATed replicas of one stage behind two routers, a public head and a public relay:
+  microbatches reach both replicas and NoLoCo pairs them, all through the relay;
+- no peer relays: the NATed node says it is unreachable, with advice, and takes no stage,
+  while the swarm trains through a public block node.
 """
 
 from __future__ import annotations
@@ -37,8 +43,16 @@ def status_of(host: Host) -> dict[str, Any]:
     return st
 
 
-def join(host: Host, stage: str, bootstrap: str | None, log: Path, swarm: str) -> IO[bytes]:
-    """Start ``node join`` inside ``host``, output to ``log`` (returned, to be closed)."""
+def join(
+    host: Host,
+    stage: str,
+    bootstrap: str | None,
+    log: Path,
+    swarm: str,
+    settings: tuple[str, ...] = (),
+) -> IO[bytes]:
+    """Start ``node join`` inside ``host``, output to ``log`` (returned, to be closed);
+    ``settings``: more ``KEY=VALUE`` settings."""
     cmd = [
         sys.executable,
         "-m",
@@ -62,6 +76,8 @@ def join(host: Host, stage: str, bootstrap: str | None, log: Path, swarm: str) -
         "--set",
         "balance.benchmark_s=0",
     ]
+    for setting in settings:
+        cmd += ["--set", setting]
     if bootstrap:
         cmd += ["--bootstrap", bootstrap]
     out = log.open("wb")
@@ -69,7 +85,107 @@ def join(host: Host, stage: str, bootstrap: str | None, log: Path, swarm: str) -
     return out
 
 
-def test_a_node_behind_nat_knows_it_is_unreachable_and_takes_no_stage(
+NO_RELAY = ("net.relay_capacity=0",)
+
+
+def eval_loss(host: Host) -> float:
+    code = f"from node.client import request_eval; print(request_eval('127.0.0.1:{PORT}'))"
+    return float(host.run([sys.executable, "-c", code], timeout=120))
+
+
+def completed(host: Host) -> int:
+    return int(status_of(host)["counters"].get("microbatches_completed", 0))
+
+
+def show_logs(tmp_path: Path, names: list[str]) -> None:
+    for name in names:
+        print(f"--- {name} ---\n" + (tmp_path / f"{name}.log").read_text(errors="replace")[-2500:])
+
+
+def test_a_natted_block_node_serves_through_the_head_and_the_swarm_learns(
+    netns_lab: Callable[[int], Lab],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    lab = netns_lab(1)
+    (public_head,) = lab.hosts
+    behind_nat = lab.add_natted()
+    swarm = f"nat-{secrets.token_hex(3)}"
+    head = f"{public_head.address}:{PORT}"
+    logs = [
+        join(public_head, "0", None, tmp_path / "head.log", swarm),
+        join(behind_nat, "1", head, tmp_path / "natted.log", swarm),
+    ]
+    try:
+        st = wait_for(
+            lambda: (s := status_of(behind_nat))["ready"] and s, 120, "the NATed node to serve"
+        )
+        assert st["reachability"]["state"] == "relayed", st["reachability"]
+        assert [v["address"] for v in st["relay"]["via"]] == [head]
+        wait_for(lambda: completed(public_head) >= 5, 120, "5 microbatches through the relay")
+        first = eval_loss(public_head)
+        wait_for(lambda: completed(public_head) >= 80, 240, "80 microbatches through the relay")
+        last = eval_loss(public_head)
+        print(f"eval loss {first:.3f} -> {last:.3f}")
+        assert last < first - 0.1
+        head_st = status_of(public_head)
+        assert head_st["relay"]["nodes"] == [st["peer_id"]]  # one hop: the head is the relay
+        text = (tmp_path / "natted.log").read_text(errors="replace")
+        assert f"reachability: relayed at 192.168.1.2:{PORT} (via {head})" in text
+    finally:
+        lab.close()
+        for out in logs:
+            out.close()
+        show_logs(tmp_path, ["head", "natted"])
+
+
+def test_two_natted_replicas_behind_two_routers_train_and_pair_through_a_relay(
+    netns_lab: Callable[[int], Lab],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    lab = netns_lab(2)
+    public_head, public_relay = lab.hosts
+    natted = [lab.add_natted(), lab.add_natted()]
+    swarm = f"nat-{secrets.token_hex(3)}"
+    head = f"{public_head.address}:{PORT}"
+    two = ("swarm.num_block_stages=2", "sync.schedule=steps", "sync.outer_steps=8")
+    logs = [
+        join(public_head, "0", None, tmp_path / "head.log", swarm, (*two, *NO_RELAY)),
+        join(public_relay, "2", head, tmp_path / "relay.log", swarm, two),
+        *(
+            join(host, "1", head, tmp_path / f"natted{k}.log", swarm, two)
+            for k, host in enumerate(natted)
+        ),
+    ]
+    try:
+        relay = f"{public_relay.address}:{PORT}"
+        for host in natted:
+            st = wait_for(lambda h=host: (s := status_of(h))["ready"] and s, 120, "NATed replica")
+            assert st["reachability"]["state"] == "relayed"
+            assert [v["address"] for v in st["relay"]["via"]] == [relay]
+
+        def both_served_and_paired() -> list[dict[str, Any]] | None:
+            sts = [status_of(h) for h in natted]
+            ok = all(
+                s["relay"]["served"].get("ok", 0) >= 10
+                and s["sync"]["rounds"].get("paired", 0) >= 1
+                for s in sts
+            )
+            return sts if ok else None
+
+        sts = wait_for(both_served_and_paired, 240, "both replicas served and paired")
+        for s in sts:
+            print(s["peer_id"][:8], s["relay"]["served"], s["sync"]["rounds"], s["step"])
+        relay_st = status_of(public_relay)
+        assert sorted(relay_st["relay"]["nodes"]) == sorted(s["peer_id"] for s in sts)
+        assert status_of(public_head)["relay"]["capacity"] == 0
+    finally:
+        lab.close()
+        for out in logs:
+            out.close()
+        show_logs(tmp_path, ["head", "relay", "natted0", "natted1"])
+
+
+def test_with_no_relay_a_node_behind_nat_knows_it_is_unreachable_and_takes_no_stage(
     netns_lab: Callable[[int], Lab],  # noqa: F811
     tmp_path: Path,
 ) -> None:
@@ -79,8 +195,8 @@ def test_a_node_behind_nat_knows_it_is_unreachable_and_takes_no_stage(
     swarm = f"nat-{secrets.token_hex(3)}"
     head = f"{public_head.address}:{PORT}"
     logs = [
-        join(public_head, "0", None, tmp_path / "head.log", swarm),
-        join(public_block, "1", head, tmp_path / "block.log", swarm),
+        join(public_head, "0", None, tmp_path / "head.log", swarm, NO_RELAY),
+        join(public_block, "1", head, tmp_path / "block.log", swarm, NO_RELAY),
         join(behind_nat, "1", head, tmp_path / "natted.log", swarm),
     ]
     try:
@@ -114,7 +230,4 @@ def test_a_node_behind_nat_knows_it_is_unreachable_and_takes_no_stage(
         lab.close()
         for out in logs:
             out.close()
-        for name in ("head", "block", "natted"):
-            print(
-                f"--- {name} ---\n" + (tmp_path / f"{name}.log").read_text(errors="replace")[-2500:]
-            )
+        show_logs(tmp_path, ["head", "block", "natted"])

@@ -86,11 +86,11 @@ async def test_a_dial_back_goes_only_to_the_asking_host(nodes: Any) -> None:
     assert "behind a NAT" in result.detail
 
 
-async def test_an_unreachable_node_takes_no_stage(nodes: Any) -> None:
+async def test_an_unreachable_node_with_no_relay_takes_no_stage(nodes: Any) -> None:
     import asyncio
 
     a = await nodes(**{"net.reachability_retry_s": 0.2})
-    b = await nodes()
+    b = await nodes(**{"net.relay_capacity": 0})  # relays for nobody
     introduce(a, b)
     port = a.state.address.rsplit(":", 1)[1]
     a.state.address = f"192.168.7.2:{port}"
@@ -100,6 +100,21 @@ async def test_an_unreachable_node_takes_no_stage(nodes: Any) -> None:
     a.state.address = f"127.0.0.1:{port}"  # the volunteer fixed it (an --announce, a port)
     await asyncio.wait_for(waiting, 10)
     assert a.reachability.state == "direct"
+
+
+async def test_an_unreachable_node_serves_through_a_peer_that_relays(nodes: Any) -> None:
+    a = await nodes(**{"net.reachability_retry_s": 0.2})
+    b = await nodes()  # relays by default
+    introduce(a, b)
+    port = a.state.address.rsplit(":", 1)[1]
+    a.state.address = f"192.168.7.2:{port}"
+    await a._until_reachable()
+    st = a.status()
+    assert st["reachability"]["state"] == "relayed"
+    assert st["reachability"]["detail"] == f"via {b.state.address}"
+    assert "goes through a relay" in st["reachability"]["advice"]
+    assert a.record().relays == [b.state.address] and a.record().relay_slots == 0
+    assert "reachability: relayed" in format_status(st)
 
 
 async def test_a_peer_that_does_not_answer_says_nothing_about_us(nodes: Any) -> None:

@@ -3,7 +3,8 @@
 Owns the rule. ``net.announce`` wins; else a node listening on one address announces it;
 else (listening on every interface) it guesses the interface the kernel would use towards a
 bootstrap peer or, on a LAN, towards the mDNS group, and later takes the address peers see
-it connect from (``Welcome.observed_host``) when that address is one of its own. Does not
+it connect from (``Welcome.observed_host``) when that address is one of its own. Names the
+states of its reachability. Does not
 own discovery or membership (``swarm.discovery``, ``swarm.membership``).
 """
 
@@ -18,6 +19,11 @@ log = logging.getLogger(__name__)
 
 ANY_HOST = ("0.0.0.0", "", "::")
 """Listen hosts that mean every interface."""
+
+DIRECT, RELAYED, UNREACHABLE, UNKNOWN = "direct", "relayed", "unreachable", "unknown"
+REACHABILITY_STATES = (DIRECT, RELAYED, UNREACHABLE, UNKNOWN)
+"""Whether peers reach the announced address: dialled back by a peer, only through a relay
+(``node.net.relay``), neither, or not known yet (``node.services.reachability`` decides)."""
 
 
 def announce_host(net: NetConfig, listen_host: str) -> str:

@@ -25,7 +25,7 @@ import bisect
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,6 +40,28 @@ from swarm.seams import TransportError
 
 CONTENT_TYPE = "application/x-murmuration-frame"
 RPC_PATH = "/rpc"
+RELAY_PATH = "/relay"
+"""``GET``: a node that cannot be dialled attaches (a WebSocket, ``node.net.relay``);
+``POST /relay/<peer id>``: a frame for the attached node."""
+RELAY_REFUSAL_HEADER = "X-Murmur-Relay"
+"""Set on a relay's own refusals (``relay_gone``, ``relay_busy``), so a sender tries its
+next relay; a refusal by the relayed node itself passes through without it."""
+
+Served = tuple[int, str | None, bytes]
+"""A reply as a relay carries it: HTTP status, the ``X-Murmur-Auth`` seal (or None), frame."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to reach a peer that cannot be dialled (``node.net.relay``)."""
+
+    peer_id: str
+    relays: tuple[str, ...]
+    """Its relays' addresses, tried in turn (``POST /relay/<peer id>``)."""
+    local: Callable[[str | None, bytes, float], Awaitable[Served]] | None = None
+    """Set when this node is one of its relays: the exchange over its WebSocket."""
+
+
 LARGE_DIGEST_BYTES = 1 << 20
 """Frames from this size on are hashed on a worker thread (hashlib releases the GIL)."""
 
@@ -186,11 +208,25 @@ async def read_frame(
 ) -> Message:
     """Decode a request body, refusing an oversized one before reading it and, in a keyed
     swarm (``incoming``: the proof whose header passed), a forged one before decoding it."""
+    body = await read_body(request, limits)
+    return await open_frame(body, limits, incoming, server_stats(request.app))
+
+
+async def read_body(request: web.Request, limits: Limits) -> bytes | bytearray:
+    """A request's frame, refused before it is read when it declares too many bytes."""
     declared = request.content_length
     if declared is not None and declared > limits.max_frame_bytes:
         raise FrameTooLarge(f"request declares {declared} bytes, limit is {limits.max_frame_bytes}")
-    body = await _read_bounded(request.content, limits.max_frame_bytes, declared)
-    stats = server_stats(request.app)
+    return await _read_bounded(request.content, limits.max_frame_bytes, declared)
+
+
+async def open_frame(
+    body: bytes | bytearray, limits: Limits, incoming: Incoming | None, stats: TrafficStats
+) -> Message:
+    """A received frame checked (its proof, in a keyed swarm) and decoded; counted in
+    ``stats``, by kind or as invalid."""
+    if len(body) > limits.max_frame_bytes:
+        raise FrameTooLarge(f"frame of {len(body)} bytes, limit is {limits.max_frame_bytes}")
     try:
         if incoming is not None:
             incoming.verify(await digest_of([body]))
@@ -200,6 +236,15 @@ async def read_frame(
         raise
     stats.received_bytes[msg.TYPE] += len(body)
     return msg
+
+
+def response_frame(resp: web.Response) -> bytes:
+    """The frame a response made here carries (for a relay to pass on)."""
+    body = resp.body
+    if isinstance(body, FramePayload):
+        return b"".join(bytes(b) for b in body.buffers)
+    assert isinstance(body, bytes), type(body)
+    return body
 
 
 async def _read_bounded(
@@ -255,6 +300,8 @@ class HttpTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.stats = TrafficStats()
+        self.routes: Callable[[str, str], Route | None] = lambda address, peer_id: None
+        """Where a request for a peer that cannot be dialled goes (``node.net.relay``)."""
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -292,22 +339,56 @@ class HttpTransport:
         timeout_s: float,
         peer_id: str,
     ) -> Message:
-        """POST one frame and decode the reply frame (an ``Error`` reply is returned)."""
-        assert self._session is not None
+        """POST one frame, straight or through a relay, and decode the reply frame (an
+        ``Error`` reply is returned)."""
+        route = self.routes(address, peer_id)
+        if route is not None:
+            peer_id = route.peer_id
         sent = None
         if self.auth is not None:
             digest = await digest_of(buffers)
             sent = self.auth.sign_request(
                 address, "POST", RPC_PATH, digest, time.time(), peer_id=peer_id
             )
-        headers = {AUTH_HEADER: sent.header} if sent is not None else None
+        header = sent.header if sent is not None else None
         size = frame_nbytes(buffers)
+        if route is None:
+            status, seal, raw, _ = await self._post(
+                self._url(address), frame_body(buffers), header, timeout_s, address
+            )
+        else:
+            status, seal, raw = await self._relayed(route, buffers, header, timeout_s, address)
+        self.bytes_sent += size
+        self.bytes_received += len(raw)
+        self.stats.sent_bytes[msg.TYPE] += size
+        try:
+            if sent is not None:  # a sealed reply is checked before it is decoded
+                sent.open_reply(status, seal, await digest_of([raw]))
+            reply = _ACK if raw == ACK_FRAME else decode_message(raw, self.limits)
+            if sent is not None:
+                sent.check_reply(reply)
+        except ProtocolError as e:
+            self.stats.received_bytes["invalid"] += len(raw)
+            raise TransportError(e.code, f"bad reply from {address} (HTTP {status}): {e}") from None
+        self.stats.received_bytes[reply.TYPE] += len(raw)
+        return reply
+
+    async def _post(
+        self,
+        url: URL,
+        body: bytes | FramePayload,
+        header: str | None,
+        timeout_s: float,
+        address: str,
+    ) -> tuple[int, str | None, bytes | bytearray, str | None]:
+        """One HTTP exchange: (status, reply seal, reply frame, a relay's own refusal code)."""
+        assert self._session is not None
         try:
             # aiohttp's own deadline (covering the reply's body), not a second timer.
             async with self._session.post(
-                self._url(address),
-                data=frame_body(buffers),
-                headers=headers,
+                url,
+                data=body,
+                headers={AUTH_HEADER: header} if header is not None else None,
                 timeout=self._timeout(timeout_s),
             ) as resp:
                 raw = await _read_bounded(
@@ -321,30 +402,51 @@ class HttpTransport:
             raise TransportError("unreachable", f"{address}: {e or type(e).__name__}") from None
         except FrameTooLarge as e:
             raise TransportError(e.code, f"reply from {address}: {e}") from None
-        self.bytes_sent += size
-        self.bytes_received += len(raw)
-        self.stats.sent_bytes[msg.TYPE] += size
-        try:
-            if sent is not None:  # a sealed reply is checked before it is decoded
-                sent.open_reply(resp.status, resp.headers.get(AUTH_HEADER), await digest_of([raw]))
-            reply = _ACK if raw == ACK_FRAME else decode_message(raw, self.limits)
-            if sent is not None:
-                sent.check_reply(reply)
-        except ProtocolError as e:
-            self.stats.received_bytes["invalid"] += len(raw)
-            raise TransportError(
-                e.code, f"bad reply from {address} (HTTP {resp.status}): {e}"
-            ) from None
-        self.stats.received_bytes[reply.TYPE] += len(raw)
-        return reply
+        headers = resp.headers
+        return resp.status, headers.get(AUTH_HEADER), raw, headers.get(RELAY_REFUSAL_HEADER)
 
-    def _url(self, address: str) -> URL:
+    async def _relayed(
+        self,
+        route: Route,
+        buffers: Sequence[bytes | memoryview],
+        header: str | None,
+        timeout_s: float,
+        address: str,
+    ) -> tuple[int, str | None, bytes | bytearray]:
+        """The exchange with a peer that cannot be dialled: over its WebSocket when this node
+        is its relay, else through its relays in turn (the next one when a relay is down or
+        refuses; not after a timeout, when the frame may have been delivered)."""
+        why = "it names no relay"
+        if route.local is not None:
+            try:
+                return await route.local(header, b"".join(buffers), timeout_s)
+            except TransportError as e:
+                if e.code == "timeout" or not route.relays:
+                    raise
+                why = f"{e.code}: {e.message}"
+        for relay in route.relays:
+            url = self._url(f"{relay}{RELAY_PATH}/{route.peer_id}", path="")
+            try:
+                status, seal, raw, refusal = await self._post(
+                    url, frame_body(buffers), header, timeout_s, f"{address} via {relay}"
+                )
+            except TransportError as e:
+                if e.code == "timeout":
+                    raise
+                why = e.message
+                continue
+            if refusal is None:
+                return status, seal, raw
+            why = f"relay {relay} refused: {refusal}"
+        raise TransportError("unreachable", f"{address} (relayed): {why}")
+
+    def _url(self, address: str, path: str = RPC_PATH) -> URL:
         url = self._urls.get(address)
         if url is None:
             if len(self._urls) >= 4096:  # peers come and go: forget them all now and then
                 self._urls.clear()
             try:
-                url = URL(f"http://{address}{RPC_PATH}")
+                url = URL(f"http://{address}{path}")
             except ValueError as e:
                 raise TransportError("unreachable", f"bad address {address!r}: {e}") from None
             self._urls[address] = url

@@ -20,9 +20,10 @@ way: peers dial back). This module owns both sides of the check:
 - **arriving.** A ``DialProbe`` carrying a nonce this node issued proves a dial-back reached
   it (a peer's word alone is not enough: it could be wrong or lie).
 
-The daemon does not let an ``unreachable`` node take a stage: it says so and checks again
-every ``net.reachability_retry_s``. Relays, which would let such a node serve anyway through
-a reachable peer, are not built yet.
+A node peers cannot dial serves through relays (``node.net.relay``) when it can attach to
+one: it is then ``relayed``, and says through which. The daemon does not let a node that is
+``unreachable`` with no relay take a stage: it says so and tries again every
+``net.reachability_retry_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 from node.config import parse_hostport
 from node.context import NodeContext
+from node.net.addresses import DIRECT, RELAYED, UNKNOWN, UNREACHABLE
 from protocol.messages import Ack, DialBack, DialBackResult, DialProbe, PeerRecord, expect
 from swarm.seams import Refused, TransportError
 
@@ -50,8 +52,6 @@ AVOID_S = 60.0
 """How long this node's router avoids a peer it could not dial back."""
 RECHECK_UNKNOWN_S = 30.0
 """A node that found nobody to ask checks again this often once peers are known."""
-
-DIRECT, UNREACHABLE, UNKNOWN = "direct", "unreachable", "unknown"
 
 
 class ReachabilityService:
@@ -120,6 +120,14 @@ class ReachabilityService:
             return True, ""
         return False, result.detail or "the dial-back did not arrive"
 
+    def relayed(self, relays: list[str]) -> None:
+        """This node serves through ``relays`` (none left: it is unreachable again)."""
+        address = self.ctx.state.address
+        if relays:
+            self._settle(RELAYED, address, [], f"via {', '.join(relays)}")
+        else:
+            self._settle(UNREACHABLE, address, [], "no peer relays for this node")
+
     def _settle(self, state: str, address: str, peers: list[str], detail: str) -> None:
         changed = (state, address) != (self.state, self.checked_address)
         self.state, self.checked_address, self.checked_by = state, address, peers
@@ -129,14 +137,22 @@ class ReachabilityService:
             log.log(level, "reachability: %s at %s (%s)%s", state, address, detail, self._advice())
 
     def _advice(self) -> str:
-        if self.state != UNREACHABLE:
+        if self.state not in (UNREACHABLE, RELAYED):
             return ""
         _, port = parse_hostport(self.checked_address)
-        return (
-            f"; peers cannot open connections to this node, so it cannot serve a stage: "
+        forward = (
             f"forward TCP port {port} on your router to this machine and start it with "
-            f"--announce PUBLIC_IP, or run it on a machine with a public address "
-            f"(relays are not supported yet)"
+            f"--announce PUBLIC_IP"
+        )
+        if self.state == RELAYED:
+            return (
+                f"; peers cannot open connections to this node, so its traffic goes through a "
+                f"relay (slower); to serve directly, {forward}"
+            )
+        return (
+            f"; peers cannot open connections to this node and no peer relays for it, so it "
+            f"cannot serve a stage: {forward}, run it on a machine with a public address, "
+            f"or wait for a reachable peer that relays (net.relay_capacity > 0)"
         )
 
     # ---- answering ----------------------------------------------------------------------

@@ -1,0 +1,311 @@
+"""Relays (``node.net.relay``): a node nobody can dial serves through a peer that can.
+
+The process tests run real ``node join`` processes on 127.0.0.1. A node that "cannot be
+dialled" announces ``127.0.0.9`` while it listens on ``127.0.0.1`` only, so any request sent
+straight to its announced address is refused by the kernel: whatever reaches it came through
+a relay (``tests/test_nat.py`` does the same behind a real masquerading router). The unit
+tests check the pieces against hand-made examples: the WebSocket messages, where requests
+for relayed peers go, the routing penalty, a relay's proof checks and the peer table's rule
+that others cannot change a peer's relays.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from node.client import fetch_status, request_eval
+from node.demo import LocalSwarm, wait_ready
+from node.display import format_status
+from node.net.relay import (
+    MAX_RELAYS,
+    REPLY,
+    REQUEST,
+    RelayHub,
+    RelayRoutes,
+    pack_reply,
+    pack_request,
+    unpack,
+)
+from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
+from protocol.errors import AuthBadMac, AuthMisdirected, MalformedMessage
+from protocol.frames import join_frame
+from protocol.messages import Hello, PeerRecord, decode_message, encode_message
+from swarm.peers import PeerTable
+from swarm.routing import RELAY_PENALTY, route_weights
+from tests.helpers import FAST_SWARM, kill_nodes, wait_for
+
+UNDIALLABLE = ["--announce", "127.0.0.9", "--set", "net.force_relay=true"]
+"""A node whose announced address refuses connections, serving through relays."""
+SETTINGS = {
+    **FAST_SWARM,
+    "swarm.num_block_stages": "1",
+    "balance.benchmark_s": "0",
+    "train.hop_timeout_s": "5",
+    "train.microbatch_deadline_s": "20",
+    "membership.ttl_s": "8",
+}
+
+
+# ---- the pieces -------------------------------------------------------------------------
+
+
+def test_relay_messages_round_trip_and_malformed_ones_are_refused() -> None:
+    body = b"\x00frame\xff" * 10
+    assert unpack(pack_request(7, "10.0.0.5", "v=1,ts=1", body), 1 << 20) == (
+        REQUEST,
+        7,
+        "10.0.0.5",
+        "v=1,ts=1",
+        body,
+    )
+    assert unpack(pack_reply(7, 409, None, b"e"), 1 << 20) == (REPLY, 7, 409, None, b"e")
+    bad = [
+        b"\xc1",  # not msgpack
+        msgpack.packb([REQUEST, 1, "h", None]),  # 4 fields
+        msgpack.packb([9, 1, "h", None, b""]),  # unknown kind
+        msgpack.packb([REQUEST, "1", "h", None, b""]),  # id not an int
+        msgpack.packb([REQUEST, 1, 404, None, b""]),  # a request's origin is a host
+        msgpack.packb([REPLY, 1, "200", None, b""]),  # a reply's status is a number
+        msgpack.packb([REPLY, 1, 200, 5, b""]),  # header not a string
+        msgpack.packb([REPLY, 1, 200, None, "text"]),  # frame not bytes
+    ]
+    for data in bad:
+        with pytest.raises(MalformedMessage):
+            unpack(data, 1 << 20)
+    with pytest.raises(MalformedMessage, match="exceeds"):
+        unpack(pack_request(1, "h", None, b"x" * 10_000), 1000)
+
+
+def record(peer_id: str, address: str, relays: list[str] | None = None) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, address=address, stage=1, relays=relays or [])
+
+
+def hub(capacity: int = 8) -> RelayHub:
+    return RelayHub(
+        peer_id="me", auth=None, max_frame_bytes=1 << 20, capacity=capacity, max_bytes_per_s=0
+    )
+
+
+def test_routes_go_through_relays_by_peer_id_or_by_an_unshared_address() -> None:
+    peers = [
+        record("a", "192.168.1.2:7070", ["1.1.1.1:7070", "2.2.2.2:7070"]),
+        record("b", "192.168.1.2:7070", ["3.3.3.3:7070"]),  # the same private address
+        record("c", "192.168.7.9:7070", [f"{k}.0.0.1:1" for k in range(9)]),
+        record("d", "5.5.5.5:7070"),  # dialled directly
+    ]
+    routes = RelayRoutes(hub(), lambda: peers)
+    route = routes.route("192.168.1.2:7070", "a")
+    assert route is not None and route.relays == ("1.1.1.1:7070", "2.2.2.2:7070")
+    assert route.local is None
+    route = routes.route("192.168.1.2:7070", "b")  # by peer id: no ambiguity
+    assert route is not None and route.relays == ("3.3.3.3:7070",)
+    assert routes.route("192.168.1.2:7070", "") is None  # two peers share it: ambiguous
+    by_address = routes.route("192.168.7.9:7070", "")
+    assert by_address is not None and by_address.peer_id == "c"
+    assert len(by_address.relays) == MAX_RELAYS  # a long list is cut
+    assert routes.route("5.5.5.5:7070", "d") is None
+    assert routes.route("5.5.5.5:7070", "") is None
+
+
+def test_the_relay_itself_talks_to_an_attached_peer_over_its_websocket() -> None:
+    h = hub()
+    routes = RelayRoutes(h, lambda: [record("a", "192.168.1.2:7070", ["me:1"])])
+    h._nodes["a"] = object()  # type: ignore[assignment]  # attached (the socket is not used)
+    route = routes.route("192.168.1.2:7070", "a")
+    assert route is not None and route.local is not None and route.relays == ("me:1",)
+    # attached but not yet in the table (it has just joined): still reachable, one hop
+    h._nodes["z"] = object()  # type: ignore[assignment]
+    route = routes.route("192.168.3.3:7070", "z")
+    assert route is not None and route.local is not None and route.relays == ()
+
+
+def test_routing_halves_a_relayed_replica_unless_this_node_is_its_relay() -> None:
+    direct = PeerRecord(peer_id="d", address="5.5.5.5:1", stage=1, throughput=10.0)
+    relayed = PeerRecord(
+        peer_id="r", address="192.168.1.2:1", stage=1, throughput=10.0, relays=["6.6.6.6:1"]
+    )
+    w = route_weights([direct, relayed], {}, now=0.0, here="7.7.7.7:1")
+    assert w == [10.0, 10.0 / RELAY_PENALTY]
+    assert route_weights([direct, relayed], {}, now=0.0, here="6.6.6.6:1") == [10.0, 10.0]
+
+
+def test_a_relay_checks_that_a_request_is_meant_for_the_node_it_passes_it_to() -> None:
+    key = secrets.token_bytes(32)
+    sender, relay, target = (SwarmAuth(key, Identity.generate()) for _ in range(3))
+    body = frame_digest([b"frame"])
+    now = time.time()
+    sent = sender.sign_request("x:1", "POST", "/rpc", body, now, peer_id=target.identity.peer_id)
+    incoming = relay.accept_for(target.identity.peer_id, sent.header, "POST", "/rpc", now)
+    incoming.verify(body)  # MAC, signature and nonce hold at the relay
+    target.accept(sent.header, "POST", "/rpc", now).verify(body)  # and at the node
+    with pytest.raises(AuthMisdirected):  # meant for another peer than the one it is relayed to
+        relay.accept_for("f" * 32, sent.header, "POST", "/rpc", now)
+    stranger = SwarmAuth(secrets.token_bytes(32), Identity.generate())
+    to = target.identity.peer_id
+    forged = stranger.sign_request("x:1", "POST", "/rpc", body, now, peer_id=to)
+    with pytest.raises(AuthBadMac):  # a stranger's request is not passed on
+        relay.accept_for(to, forged.header, "POST", "/rpc", now).verify(body)
+
+
+def test_nobody_but_the_peer_changes_its_relays_while_it_is_heard_directly() -> None:
+    table = PeerTable("me", ttl_s=10.0)
+    table.observe(record("b", "192.168.1.2:7070", ["1.1.1.1:7070"]), now=0.0)
+    # a member passes on a record of b naming itself as b's relay: not taken
+    table.observe(record("b", "192.168.1.2:7070", ["6.6.6.6:666"]), now=1.0, relayed=True)
+    assert table.get("b").relays == ["1.1.1.1:7070"]  # type: ignore[union-attr]
+    table.observe(record("b", "192.168.1.2:7070", ["2.2.2.2:7070"]), now=2.0)  # b moved
+    assert table.get("b").relays == ["2.2.2.2:7070"]  # type: ignore[union-attr]
+
+
+# ---- real processes ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def swarms(tmp_path: Path) -> Iterator[Any]:
+    started: list[LocalSwarm] = []
+
+    def make(**settings: str) -> LocalSwarm:
+        s = LocalSwarm(tmp_path, {**SETTINGS, **settings})
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop(grace_s=5.0)
+
+
+def counters(address: str) -> dict[str, int]:
+    c: dict[str, int] = fetch_status(address)["counters"]
+    return c
+
+
+def accounted(head: dict[str, Any]) -> bool:
+    """Every microbatch the head issued completed, was dropped, or is still pending."""
+    c = head["counters"]
+    ended = c.get("microbatches_completed", 0) + c.get("microbatches_dropped", 0)
+    return bool(c.get("microbatches_issued", 0) == ended + head["pending"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_node_nobody_can_dial_serves_its_stage_through_the_head(swarms: Any) -> None:
+    s = swarms()
+    head = s.start_node(0)
+    head_id = wait_ready(head, 90, s)["peer_id"]
+    block = s.start_node(1, extra=UNDIALLABLE)
+    st = wait_ready(block, 90, s)
+    assert st["address"].startswith("127.0.0.9:")  # what peers would dial: nobody answers
+    assert st["reachability"]["state"] == "relayed"
+    assert [v["peer_id"] for v in st["relay"]["via"]] == [head_id]
+    wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 20, 120, "20 relayed mbs")
+    head_st = fetch_status(head)
+    assert head_st["relay"]["nodes"] == [st["peer_id"]]  # the head relays for it, one hop
+    assert head_st["relay"]["requests"]["ok"] >= 40  # forwards and their backwards' acks
+    assert head_st["relay"]["capacity"] == 8
+    assert "relaying for 1 of up to 8 nodes" in format_status(head_st)
+    block_st = fetch_status(block)
+    assert block_st["relay"]["served"]["ok"] >= 20 and block_st["relay"]["capacity"] == 0
+    evals = request_eval(head)
+    assert evals < 5.6  # the eval microbatch went through the relay too and came back
+    logs = "".join(p.read_text(errors="replace") for p in s.log_dir.glob("stage1-*.log"))
+    assert "reachability: relayed" in logs and f"via {head}" in logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_when_its_relay_dies_a_node_moves_to_another_and_training_goes_on(swarms: Any) -> None:
+    # head: relays for nobody; two relays serve stage 2; the undiallable node serves stage 1
+    s = swarms(**{"swarm.num_block_stages": "2"})
+    head = s.start_node(0, extra=["--set", "net.relay_capacity=0"])
+    wait_ready(head, 90, s)
+    relays = [s.start_node(2) for _ in range(2)]
+    for address in relays:
+        wait_ready(address, 90, s)
+    block = s.start_node(1, extra=UNDIALLABLE)
+    wait_ready(block, 90, s)
+    via = wait_for(
+        lambda: len(v := fetch_status(block)["relay"]["via"]) == 2 and v, 30, "two relays"
+    )
+    assert {v["address"] for v in via} == set(relays)
+    wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 10, 120, "10 mbs")
+    first = via[0]["address"]
+    kill_nodes(s, [first])
+    killed_at = time.monotonic()
+    before = counters(head).get("microbatches_completed", 0)
+    wait_for(
+        lambda: counters(head).get("microbatches_completed", 0) >= before + 20,
+        120,
+        "20 more microbatches after the relay died",
+    )
+    resumed_s = time.monotonic() - killed_at
+    st = fetch_status(block)
+    assert [v["address"] for v in st["relay"]["via"]] == [r for r in relays if r != first]
+    assert st["reachability"]["state"] == "relayed"
+    head_st = fetch_status(head)
+    assert accounted(head_st), head_st["counters"]
+    print(f"20 microbatches completed {resumed_s:.1f}s after the relay in use was killed")
+
+
+def post(address: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{address}{path}", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_in_a_keyed_swarm_a_relay_cannot_alter_frames_nor_serve_strangers(
+    swarms: Any, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text(secrets.token_hex(32))
+    s = swarms(**{"net.swarm_key_file": str(key_file)})
+    # a relay that flips a byte of every frame it passes on
+    head = s.start_node(0, extra=["--set", "net.debug_relay_tamper=true"])
+    wait_ready(head, 90, s)
+    block = s.start_node(1, extra=UNDIALLABLE)
+    block_id = wait_for(
+        lambda: (st := fetch_status(block))["reachability"]["state"] == "relayed" and st,
+        90,
+        "the block node to attach to its relay",
+    )["peer_id"]
+    # the altered requests are refused by the node they were meant for
+    wait_for(lambda: counters(block).get("rejected_auth_bad_mac", 0) >= 3, 90, "refusals")
+    assert counters(head).get("microbatches_completed", 0) == 0
+    # a stranger with another key can neither attach nor be relayed
+    stranger = SwarmAuth(secrets.token_bytes(32), Identity.generate())
+    me = record(stranger.identity.peer_id, "9.9.9.9:1")
+    hello = encode_message(Hello(swarm="demo", fingerprint="?", sender=me, peers=[]))
+    sent = stranger.sign_request(
+        head, "POST", "/rpc", frame_digest(hello), time.time(), peer_id=block_id
+    )
+    refused_before = counters(block).get("rejected_auth_bad_mac", 0)
+    status, body = post(head, f"/relay/{block_id}", join_frame(hello), {AUTH_HEADER: sent.header})
+    assert status == 401 and decode_message(body).code == "auth_bad_mac"  # type: ignore[attr-defined]
+    status, _ = post(head, f"/relay/{block_id}", join_frame(hello), {})  # no proof at all
+    assert status == 401
+    assert fetch_status(head)["relay"]["requests"].get("auth_bad_mac", 0) >= 1
+    attach = stranger.sign_request(head, "GET", "/relay", frame_digest([]), time.time())
+    req = urllib.request.Request(
+        f"http://{head}/relay?peer={stranger.identity.peer_id}",
+        headers={AUTH_HEADER: attach.header, "Connection": "Upgrade", "Upgrade": "websocket"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 401
+    # none of the stranger's requests reached the block node (the tampered ones go on)
+    assert fetch_status(head)["relay"]["nodes"] == [block_id]
+    assert counters(block).get("rejected_auth_missing", 0) == 0
+    assert counters(block).get("rejected_auth_bad_mac", 0) >= refused_before
