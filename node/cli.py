@@ -81,7 +81,8 @@ def _add_join(sub: Any) -> None:
     j.add_argument(
         "--stage",
         help="'auto' (default: an empty stage, else the weakest by throughput; may move "
-        "later to balance the swarm) or K (0 = head; never rebalanced)",
+        "later to balance the swarm), K (0 = head; never rebalanced) or 'relay' (no stage: "
+        "only relay for nodes behind NATs)",
     )
     j.add_argument(
         "--listen", metavar="HOST:PORT", help="address to serve on (default 0.0.0.0:7070)"

@@ -47,8 +47,9 @@ def choices(kind: Any) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class NodeConfig:
     stage: str = "auto"
-    """Stage to serve: "auto" (chosen and rebalanced by ``balance.policy``) or a number
-    (0 = head). Rebalancing never moves a numbered node; refilling an emptied stage may."""
+    """Stage to serve: "auto" (chosen and rebalanced by ``balance.policy``), a number
+    (0 = head; rebalancing never moves a numbered node, refilling an emptied stage may), or
+    "relay": no stage, only relaying for nodes that cannot be dialled (``node.net.relay``)."""
     device: str = "cpu"
     """Torch device for this node's stage ("cpu", "cuda", "cuda:1")."""
     threads: int = 1
@@ -451,12 +452,15 @@ def _suggest(name: str, options: Mapping[str, Any]) -> str:
 
 
 def _validate(c: Config) -> None:
-    if c.node.stage != "auto" and not (
+    if c.node.stage not in ("auto", "relay") and not (
         c.node.stage.isdigit() and 0 <= int(c.node.stage) <= c.swarm.num_block_stages
     ):
         raise ValueError(
-            f"--stage must be 'auto' or a number 0..{c.swarm.num_block_stages}, got {c.node.stage!r}"
+            f"--stage must be 'auto', 'relay' or a number 0..{c.swarm.num_block_stages}, "
+            f"got {c.node.stage!r}"
         )
+    if c.node.stage == "relay" and (c.net.relay_capacity < 1 or c.net.force_relay):
+        raise ValueError("--stage relay needs net.relay_capacity >= 1 and no net.force_relay")
     if c.model.num_blocks % c.swarm.num_block_stages:
         raise ValueError(
             f"the {c.swarm.model} model has {c.model.num_blocks} blocks, which cannot be split "

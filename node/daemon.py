@@ -232,6 +232,7 @@ class Node:
             "fingerprint": self.fingerprint,
             "auth": "open" if self.auth is None else "swarm_key",
             "stage": state.stage,
+            "relay_only": self.relay_only,
             "num_stages": self.num_stages,
             "ready": state.ready,
             "leaving": state.leaving,
@@ -295,7 +296,10 @@ class Node:
                 joined = tg.create_task(self._join())
                 stopped = tg.create_task(self._stop.wait())
                 await asyncio.wait([joined, stopped], return_when=asyncio.FIRST_COMPLETED)
-                if joined.done() and not joined.exception():
+                if joined.done() and not joined.exception() and self.relay_only:
+                    background.append(tg.create_task(self._relaying()))
+                    await stopped
+                elif joined.done() and not joined.exception():
                     background += [
                         tg.create_task(self.work.run()),
                         tg.create_task(self._housekeeping()),
@@ -366,8 +370,23 @@ class Node:
         if seen is not None:
             self.state.address = self.router.here = seen
 
+    @property
+    def relay_only(self) -> bool:
+        """``--stage relay``: a reachable node that serves no stage, only relays."""
+        return self.config.node.stage == "relay"
+
     async def _join(self) -> None:
         """Listen for the swarm, pick a stage, get its weights, start serving."""
+        if self.relay_only:
+            await asyncio.sleep(self.config.node.join_wait_s)
+            self._adopt_observed()
+            if self.config.net.check_reachability:
+                await self.reachability.check()
+            log.info(
+                "relaying only (no stage): for up to %d nodes that cannot be dialled",
+                self.config.net.relay_capacity,
+            )
+            return
         t0 = time.monotonic()
         await self.balancer.measure()  # while we listen for peers
         await asyncio.sleep(max(0.0, self.config.node.join_wait_s - (time.monotonic() - t0)))
@@ -405,15 +424,15 @@ class Node:
         return bool(self.relays.addresses)
 
     async def _check_reachability(self) -> None:
-        """Housekeeping's part: keep relays while relayed, check again when it is due."""
+        """Housekeeping's part: check again when it is due (the address changed, or nobody
+        had answered); while peers cannot dial this node, keep its relays (replace a dead
+        one, find one again after losing all)."""
         net = self.config.net
-        relayed = self.reachability.state in (RELAYED, UNREACHABLE) and net.relays > 0
-        if net.force_relay or (relayed and self.relays.addresses):
-            await self._relay()
-            return
-        due = net.check_reachability and self.reachability.due(self.state.address)
-        # the address changed, or nobody had answered
-        if due and await self.reachability.check() == UNREACHABLE and net.relays:
+        checks = net.check_reachability and not net.force_relay
+        if checks and self.reachability.due(self.state.address):
+            await self.reachability.check()
+        undiallable = net.force_relay or self.reachability.state in (RELAYED, UNREACHABLE)
+        if undiallable and net.relays and not self.relay_only:
             await self._relay()
 
     async def take_stage(self, stage: int) -> None:
@@ -487,6 +506,14 @@ class Node:
         if self.sync is not None:
             self.sync.poll()
         self.recovery.poll()
+
+    async def _relaying(self) -> None:
+        """A relay-only node's housekeeping: its address and reachability (it relays while
+        peers can dial it)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._adopt_observed()
+            await self._check_reachability()
 
     async def _housekeeping(self) -> None:
         while True:

@@ -11,9 +11,12 @@ from typing import Any
 
 def format_status(st: dict[str, Any]) -> str:
     role = "head" if st["stage"] == 0 else f"block stage {st['stage']}"
+    if st.get("relay_only"):
+        role = "relay (no stage)"
     lines = [
         f"node {st['peer_id']} at {st['address']}  swarm {st['swarm']} ({st['fingerprint']})",
-        f"  {role} of {st['num_stages']} stages, {'ready' if st['ready'] else 'joining'}"
+        f"  {role} of {st['num_stages']} stages, "
+        f"{'ready' if st['ready'] or st.get('relay_only') else 'joining'}"
         f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
         f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
     ]

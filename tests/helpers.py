@@ -43,6 +43,17 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: f
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
 
 
+def accounted(c: dict[str, int], pending: int) -> tuple[int, int]:
+    """A head's microbatches: (issued, completed + retried + dropped + still pending); the two
+    are equal in every status snapshot when none is lost."""
+    ended = (
+        c.get("microbatches_completed", 0)
+        + c.get("microbatches_retried", 0)
+        + c.get("microbatches_dropped", 0)
+    )
+    return c.get("microbatches_issued", 0), ended + pending
+
+
 def kill_nodes(s: LocalSwarm, addresses: list[str]) -> None:
     """SIGKILL the nodes at these addresses and forget them (an intended death, not a
     failure that ``LocalSwarm.dead`` should report)."""

@@ -25,7 +25,7 @@ import pytest
 from node.client import fetch_status
 from node.demo import LocalSwarm, free_port, wait_ready
 from node.identity import IDENTITY_FILE
-from tests.helpers import FAST_SWARM, wait_for
+from tests.helpers import FAST_SWARM, accounted, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -104,15 +104,6 @@ def longest_stall(samples: list[tuple[float, int]]) -> float:
         if value > last:
             worst, since, last = max(worst, t - since), t, value
     return max(worst, samples[-1][0] - since)
-
-
-def accounted(c: dict[str, int], pending: int) -> tuple[int, int]:
-    ended = (
-        c.get("microbatches_completed", 0)
-        + c.get("microbatches_retried", 0)
-        + c.get("microbatches_dropped", 0)
-    )
-    return c.get("microbatches_issued", 0), ended + pending
 
 
 def test_random_sigkills_and_restarts_never_stall_or_lose_microbatches(tmp_path: Path) -> None:

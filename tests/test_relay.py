@@ -41,7 +41,7 @@ from protocol.frames import join_frame
 from protocol.messages import Hello, PeerRecord, decode_message, encode_message
 from swarm.peers import PeerTable
 from swarm.routing import RELAY_PENALTY, route_weights
-from tests.helpers import FAST_SWARM, kill_nodes, wait_for
+from tests.helpers import FAST_SWARM, accounted, kill_nodes, wait_for
 
 UNDIALLABLE = ["--announce", "127.0.0.9", "--set", "net.force_relay=true"]
 """A node whose announced address refuses connections, serving through relays."""
@@ -188,11 +188,10 @@ def counters(address: str) -> dict[str, int]:
     return c
 
 
-def accounted(head: dict[str, Any]) -> bool:
-    """Every microbatch the head issued completed, was dropped, or is still pending."""
-    c = head["counters"]
-    ended = c.get("microbatches_completed", 0) + c.get("microbatches_dropped", 0)
-    return bool(c.get("microbatches_issued", 0) == ended + head["pending"])
+def all_accounted(head: dict[str, Any]) -> bool:
+    """Every microbatch the head issued completed, was retried or dropped, or is pending."""
+    issued, ended = accounted(head["counters"], head["pending"])
+    return issued == ended
 
 
 @pytest.mark.slow
@@ -251,8 +250,44 @@ def test_when_its_relay_dies_a_node_moves_to_another_and_training_goes_on(swarms
     assert [v["address"] for v in st["relay"]["via"]] == [r for r in relays if r != first]
     assert st["reachability"]["state"] == "relayed"
     head_st = fetch_status(head)
-    assert accounted(head_st), head_st["counters"]
+    assert all_accounted(head_st), head_st["counters"]
     print(f"20 microbatches completed {resumed_s:.1f}s after the relay in use was killed")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_that_lost_its_only_relay_attaches_to_another(swarms: Any) -> None:
+    # two relay-only nodes (no stage); the undiallable node keeps one relay at a time
+    s = swarms()
+    head = s.start_node(0, extra=["--set", "net.relay_capacity=0"])
+    wait_ready(head, 90, s)
+    relays = [s.start_node("relay") for _ in range(2)]
+    for address in relays:
+        wait_for(lambda a=address: fetch_status(a)["relay"]["capacity"] == 8, 60, "a relay")
+    st = fetch_status(relays[0])
+    assert st["relay_only"] and st["stage"] == -1 and "relay (no stage)" in format_status(st)
+    block = s.start_node(1, extra=[*UNDIALLABLE, "--set", "net.relays=1"])
+    wait_ready(block, 90, s)
+    (first,) = (v["address"] for v in fetch_status(block)["relay"]["via"])
+    wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 10, 120, "10 mbs")
+    kill_nodes(s, [first])
+    killed_at = time.monotonic()
+    (other,) = (r for r in relays if r != first)
+    wait_for(
+        lambda: [v["address"] for v in fetch_status(block)["relay"]["via"]] == [other],
+        30,
+        "the node to attach to the other relay",
+    )
+    attached_s = time.monotonic() - killed_at
+    before = counters(head).get("microbatches_completed", 0)
+    wait_for(
+        lambda: counters(head).get("microbatches_completed", 0) >= before + 10,
+        120,
+        "10 more microbatches through the new relay",
+    )
+    assert fetch_status(block)["reachability"]["state"] == "relayed"
+    assert all_accounted(fetch_status(head))
+    print(f"attached to the other relay {attached_s:.1f}s after the first was killed")
 
 
 def post(address: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
