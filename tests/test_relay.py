@@ -217,6 +217,12 @@ def test_a_node_nobody_can_dial_serves_its_stage_through_the_head(swarms: Any) -
     assert evals < 5.6  # the eval microbatch went through the relay too and came back
     logs = "".join(p.read_text(errors="replace") for p in s.log_dir.glob("stage1-*.log"))
     assert "reachability: relayed" in logs and f"via {head}" in logs
+    # a new replica copies the stage's weights from the relayed one: the state comes up the
+    # WebSocket and through the head
+    second = s.start_node(1)
+    assert wait_ready(second, 90, s)["step"] > 0
+    logs = "".join(p.read_text(errors="replace") for p in s.log_dir.glob("stage1-*.log"))
+    assert f"from {st['peer_id'][:8]}" in logs
 
 
 @pytest.mark.slow
