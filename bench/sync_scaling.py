@@ -153,7 +153,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     )
     p = result["params"]
     ax.set_title(
-        f"Sync time of one stage ({p['stage_bytes'] / 1e6:.1f} MB), {p['latency_ms']:.0f} ms one-way, {p['bandwidth_mbps']:.0f} Mbit/s"
+        f"Sync time of one stage ({p['stage_bytes'] / 1e6:.1f} MB), {p['latency_ms']:.0f} ms one-way, "
+        + (f"{p['bandwidth_mbps']:.0f} Mbit/s" if p["bandwidth_mbps"] else "no uplink cap")
     )
     ax.set_xlabel("replicas of the stage (N)")
     ax.set_ylabel("seconds per synchronisation")
@@ -171,7 +172,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--period", type=float, default=8.0, help="seconds between repetitions")
     p.add_argument("--latency-ms", type=float, default=25.0)
-    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--bandwidth-mbps", type=float, default=100.0, help="0: no uplink cap")
     p.add_argument("--listen-s", type=float, default=0.05)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -180,7 +181,9 @@ def main() -> None:
     if args.quick:
         args.reps = 2
     numel = stage_numel(args.preset)
-    s_bytes, lat, bw = 4.0 * numel, args.latency_ms / 1000, args.bandwidth_mbps * 125_000
+    # bytes/s of the emulated uplink; 0 means none emulated: no wire time in the model
+    s_bytes, lat = 4.0 * numel, args.latency_ms / 1000
+    bw = args.bandwidth_mbps * 125_000 or math.inf
     measured = []
     for n in ns:
         m = measure(n, numel, args)
