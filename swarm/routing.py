@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from protocol.messages import PeerRecord
 
-
 RELAY_PENALTY = 2.0
 """How much less often a replica reached through a relay is chosen than an equal one reached
 directly: each hop to it is two network hops (Petals down-weights relayed servers too). Not
