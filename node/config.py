@@ -37,6 +37,7 @@ SyncMethod = Literal["noloco", "diloco", "allreduce", "none"]
 BalancePolicy = Literal["throughput", "replicas"]
 OuterSchedule = Literal["clock", "steps"]
 ComputeDtype = Literal["float32", "bfloat16"]
+InFlightPolicy = Literal["fixed", "adaptive"]
 
 
 def choices(kind: Any) -> tuple[str, ...]:
@@ -161,7 +162,12 @@ class TrainConfig:
     wire_codec: Codec = "bf16"
     """Activation and gradient encoding on the wire: fp32, bf16 or int8 (blockwise)."""
     max_in_flight: int = 6
-    """Microbatches a head node keeps in the pipeline at once."""
+    """Microbatches a head node keeps in the pipeline at once (with ``window = adaptive``:
+    the most it may keep, its memory bound)."""
+    window: InFlightPolicy = "fixed"
+    """``fixed``: ``max_in_flight`` always; ``adaptive``: grown while the pipe has room and
+    shrunk when microbatches queue, by the TCP Vegas rule (``swarm.window``), for links
+    whose round trip is not known in advance (a WAN)."""
     max_queue: int = 32
     """Jobs a node accepts before it answers "busy" (memory bound)."""
     hop_timeout_s: float = 10.0

@@ -40,6 +40,14 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  loss {loss}, eval loss {ev}, {st['tokens']} tokens, {st['tokens_per_s']:.0f} tokens/s"
         )
+        window = st.get("window")
+        if window:
+            trip = window.get("base_rtt_ms")
+            lines.append(
+                f"  in flight {st.get('in_flight', 0)} of a {window['policy']} window of "
+                f"{window['size']}"
+                + ("" if trip is None else f" (round trip {trip:.0f} ms with nothing queued)")
+            )
     sync = st.get("sync")
     if sync:
         rounds = ", ".join(f"{k} {v}" for k, v in sorted(sync["rounds"].items())) or "none yet"

@@ -392,6 +392,25 @@ def _head_families(st: dict[str, Any]) -> Iterator[Metric]:
         "1 while every stage has a ready replica.",
         float(bool(st["pipeline_complete"])),
     )
+    window = st.get("window")
+    if isinstance(window, dict):
+        yield _gauge(
+            "murmur_in_flight_window",
+            "Microbatches the head may keep in flight now (train.max_in_flight, or the "
+            "adaptive window).",
+            window.get("size", 0),
+        )
+        trip = GaugeMetricFamily(
+            "murmur_round_trip_seconds",
+            "A microbatch's round trip, head to head: base (the smallest lately, nothing "
+            "queued) and mean (over the adaptive window's last adjustment).",
+            labels=["kind"],
+        )
+        for kind, key in (("base", "base_rtt_ms"), ("mean", "rtt_ms")):
+            ms = window.get(key)
+            if ms is not None:
+                trip.add_metric([kind], ms / 1e3)
+        yield trip
 
 
 def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:

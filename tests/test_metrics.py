@@ -90,6 +90,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_train_seconds": ("counter", set()),
     "murmur_in_flight_microbatches": ("gauge", set()),
     "murmur_pipeline_complete": ("gauge", set()),
+    "murmur_in_flight_window": ("gauge", set()),
+    "murmur_round_trip_seconds": ("gauge", {"kind"}),
     "murmur_sync_info": ("gauge", {"method"}),
     "murmur_outer_steps": ("counter", set()),
     "murmur_sync_rounds": ("counter", {"outcome"}),
@@ -182,6 +184,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "train_s": 118.0,
         "in_flight": 5,
         "pipeline_complete": True,
+        "window": {"policy": "adaptive", "size": 7, "base_rtt_ms": 120.0, "rtt_ms": 150.5},
         "sync": {
             "method": "noloco",
             "outer_steps": 3,
@@ -303,6 +306,9 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_reachability", state="relayed") == 0.0
     assert one("murmur_relays_used") == 0 and one("murmur_relay_nodes") == 2
     assert one("murmur_relay_capacity") == 8
+    assert one("murmur_in_flight_window") == 7
+    assert one("murmur_round_trip_seconds", kind="base") == 0.12
+    assert one("murmur_round_trip_seconds", kind="mean") == 0.1505
     assert one("murmur_relay_bytes_total", direction="to_node") == 4096
     assert one("murmur_relay_requests_total", outcome="relay_busy") == 2
     assert one("murmur_microbatches_total", outcome="completed") == 90

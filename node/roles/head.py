@@ -3,8 +3,10 @@
 A head-stage node is where every microbatch starts and ends (SWARM's "trainer", arXiv
 2301.11913, section 3). This module owns:
 
-- keeping ``max_in_flight`` training microbatches in the pipeline, pausing while some
-  block stage has no ready replica;
+- keeping training microbatches in the pipeline, ``max_in_flight`` of them or, with
+  ``train.window = adaptive``, as many as the in-flight window allows (``swarm.window``: it
+  learns from each microbatch's round trip), pausing while some block stage has no ready
+  replica;
 - the deadline of each microbatch: one not completed in time is re-issued on a fresh route
   (``retried``) up to ``max_attempts`` issues, then ``dropped``; every issued microbatch ends
   as exactly one of completed, retried or dropped, evaluation ones included, so at any
@@ -41,6 +43,7 @@ from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
 from swarm.seams import Refused
+from swarm.window import InFlightWindow, WindowConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class Pending:
     deadline_s: float
     eval_result: asyncio.Future[float] | None = None
     mb_id: str = ""
+    issued_s: float = 0.0
+    """When it was issued (its round trip ends when its gradient is back)."""
 
 
 @dataclass
@@ -110,6 +115,12 @@ class HeadRole:
         self.tokens = 0
         self.started_s: float | None = None
         self.window = _Window()
+        self.in_flight: InFlightWindow | None = None
+        """The adaptive in-flight window (``train.window = adaptive``), else None."""
+        if self.train.window == "adaptive":
+            top = self.train.max_in_flight
+            config = WindowConfig(min_size=min(2, top), max_size=top, initial=min(4, top))
+            self.in_flight = InFlightWindow(config, time.monotonic())
         self.evals: list[EvalPoint] = []
         self._eval_lock = asyncio.Lock()
         self._eval_data: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -154,7 +165,7 @@ class HeadRole:
         while not self.ctx.state.leaving:
             self._check_deadlines()
             if self.pipeline_complete():
-                while self._num_training() < self.train.max_in_flight:
+                while self._num_training() < self._window_limit():
                     await self._issue(self._sample(), attempt=1)
             else:
                 await self._wait_for_pipeline()
@@ -178,6 +189,11 @@ class HeadRole:
         if announced:
             log.info("pipeline complete: every stage has a replica")
 
+    def _window_limit(self) -> int:
+        if self.in_flight is None:
+            return self.train.max_in_flight
+        return self.in_flight.limit(time.monotonic())
+
     def _num_training(self) -> int:
         return sum(1 for p in self.pending.values() if p.eval_result is None)
 
@@ -200,13 +216,15 @@ class HeadRole:
             self._seq += 1
             seq = self._seq
         ids, labels = batch
+        now = time.monotonic()
         p = Pending(
             seq,
             ids,
             labels,
             attempt,
-            time.monotonic() + self.train.microbatch_deadline_s,
+            now + self.train.microbatch_deadline_s,
             eval_result,
+            issued_s=now,
         )
         self._num_issues += 1
         p.mb_id = f"{self.ctx.peer_id[:8]}.{seq}.{self._num_issues}"
@@ -248,6 +266,8 @@ class HeadRole:
             del self.pending[mb_id]
             if not self.pipeline_complete():
                 p.attempt -= 1  # a missing stage is not this microbatch's fault
+            if self.in_flight is not None and p.eval_result is None:
+                self.in_flight.failed(now)
             if p.attempt < self.train.max_attempts:
                 self.ctx.counters["microbatches_retried"] += 1
                 log.info("microbatch %s missed its deadline; re-issuing", mb_id)
@@ -323,9 +343,11 @@ class HeadRole:
                 raise
             if self.pending.pop(msg.mb_id, None) is None:
                 return  # a failed send home re-armed its deadline meanwhile: already counted
-            tokens = p.ids.numel()
+            tokens, now = p.ids.numel(), time.monotonic()
             self.tokens += tokens
-            self.window.add(time.monotonic(), tokens)
+            self.window.add(now, tokens)
+            if self.in_flight is not None:
+                self.in_flight.completed(now - p.issued_s, p.issued_s, now)
             self.ctx.counters["microbatches_completed"] += 1
             self._wake.set()
 
@@ -392,6 +414,9 @@ class HeadRole:
             "tokens_per_s": round(self.window.rate(now), 1),
             "train_s": round(now - self.started_s, 1) if self.started_s else 0.0,
             "in_flight": self._num_training(),
+            "window": {"size": self.train.max_in_flight, "policy": "fixed"}
+            if self.in_flight is None
+            else {"policy": "adaptive", **self.in_flight.status()},
             "pending": len(self.pending),  # evaluation microbatches too: the accounting's rest
             "pipeline_complete": self.pipeline_complete(),
             "data_shard": self.shard,
