@@ -98,6 +98,7 @@ class Node:
         link = shaped(self.http, config.net)  # the testbeds' emulated latency and uplink
         self.table = PeerTable(self.peer_id, config.membership.ttl_s, config.membership.max_peers)
         self.router = Router(self.rng)
+        self.router.samples = float(config.data.batch_size)
         self.membership = MembershipService(
             config.membership,
             swarm=config.swarm.name,

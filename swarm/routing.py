@@ -2,17 +2,21 @@
 
 SWARM Parallelism (Ryabinin et al., ICML 2023, arXiv 2301.11913), section 3.2 and
 ``docs/algorithms.md`` section 2. Each hop is drawn at random with probability proportional to the
-replica's estimated rate of finishing our work: its published service rate (samples/s, an
-EMA it measures itself) divided by the work ahead of ours (its queue plus what we already
-have in flight with it). A replica we know nothing about yet gets the best rate seen, so new
-peers are probed early (SWARM's reference probes new peers first). A peer that failed is
+replica's estimated rate of finishing our work: one over the time it should take, the work
+ahead of ours (its queue plus what we already have in flight with it) at its published
+service rate (samples/s, an EMA it measures itself) plus the time a hop to it takes as this
+node measured it (round trip and transfer: a replica 150 ms away is not as good as one next
+door, as SWARM's wiring weighs it). A replica we know nothing about yet gets the best rate
+and the shortest hop seen, so new peers are probed early (SWARM's reference probes new peers
+first), and the draw keeps probing every replica with a nonzero chance. A peer that failed is
 banned for ``ban_s`` seconds. A peer caught misbehaving (poisoned weights, see
 ``swarm.screen``) is *quarantined* for longer: routing avoids it, gossip does not pair with
 it, and the daemon refuses its requests with ``banned`` until the quarantine ends; a
 ``Leave`` does not lift it. With all peers equally fast and idle the draw is uniform,
 which is what NoLoCo's seeded random permutation gives on average; with unequal peers the
 faster ones get proportionally more work. A replica that cannot be dialled and is reached
-through a relay (``PeerRecord.relays``) is chosen half as often as an equal direct one.
+through a relay (``PeerRecord.relays``) is chosen half as often as an equal direct one until
+its hop time, relay included, is measured.
 
 Pure policy: callers pass ``now`` and a seeded ``random.Random``.
 """
@@ -44,13 +48,28 @@ class PeerStats:
 
 
 def route_weights(
-    candidates: Sequence[PeerRecord], stats: dict[str, PeerStats], now: float, here: str = ""
+    candidates: Sequence[PeerRecord],
+    stats: dict[str, PeerStats],
+    now: float,
+    here: str = "",
+    samples: float = 1.0,
 ) -> list[float]:
-    """Relative chance of each candidate: service rate / (1 + work ahead of ours); 0 if banned;
-    divided by ``RELAY_PENALTY`` for a peer reached through a relay other than this node
-    (``here``: this node's address)."""
+    """Relative chance of each candidate: one over the time it should take to finish our
+    microbatch of ``samples``, its work ahead of ours (``1 + queue + our in-flight``) at its
+    service rate plus the hop's network time as this node measured it; 0 if banned.
+
+    A peer whose hop time is not measured yet gets the smallest measured one (optimism, so
+    it is tried); one also reached through a relay other than this node (``here``: this
+    node's address) has its weight divided by ``RELAY_PENALTY`` until then. With no hop
+    times measured the weight is ``rate / (1 + queue + in-flight)`` (over ``samples``)."""
     known = [c.throughput for c in candidates if c.throughput > 0]
     probe_rate = max(known) if known else 1.0
+    trips = [
+        s.latency_ema_s
+        for c in candidates
+        if (s := stats.get(c.peer_id)) is not None and s.latency_ema_s is not None
+    ]
+    probe_trip = min(trips) if trips else 0.0
     weights = []
     for c in candidates:
         s = stats.get(c.peer_id, PeerStats())
@@ -58,8 +77,10 @@ def route_weights(
             weights.append(0.0)
             continue
         rate = c.throughput if c.throughput > 0 else probe_rate
-        weight = rate / (1.0 + c.queue + s.num_in_flight)
-        if c.relays and here not in c.relays:
+        compute_s = (1.0 + c.queue + s.num_in_flight) * samples / rate
+        trip_s = probe_trip if s.latency_ema_s is None else s.latency_ema_s
+        weight = 1.0 / (compute_s + trip_s)
+        if c.relays and here not in c.relays and s.latency_ema_s is None:
             weight /= RELAY_PENALTY
         weights.append(weight)
     return weights
@@ -75,6 +96,8 @@ class Router:
         self.stats: dict[str, PeerStats] = {}
         self.here = ""
         """This node's address (a relayed replica whose relay is this node costs no more)."""
+        self.samples = 1.0
+        """Samples in a microbatch (``data.batch_size``): compute time = samples / rate."""
 
     def choose(
         self, candidates: Sequence[PeerRecord], now: float, exclude: Collection[str] = ()
@@ -87,7 +110,7 @@ class Router:
         pool = [c for c in candidates if c.peer_id not in exclude]
         if not pool:
             return None
-        weights = route_weights(pool, self.stats, now, self.here)
+        weights = route_weights(pool, self.stats, now, self.here, self.samples)
         if sum(weights) <= 0:
             return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
         return self.rng.choices(pool, weights=weights, k=1)[0]

@@ -26,6 +26,22 @@ def test_unmeasured_peer_is_probed_at_the_best_known_rate() -> None:
     assert route_weights([rec("x"), rec("y")], {}, 0.0) == [1.0, 1.0]
 
 
+def test_a_far_replica_counts_its_hop_time() -> None:
+    """Equal replicas, one 1 ms away and one 150 ms: 16-sample microbatches at 100 samples/s
+    take 0.16 s to compute, so 1/0.161 against 1/0.31 (the near one about 66 % of draws)."""
+    near, far, new = rec("near", 100.0), rec("far", 100.0), rec("new", 100.0)
+    stats = {"near": PeerStats(latency_ema_s=0.001), "far": PeerStats(latency_ema_s=0.150)}
+    w = route_weights([near, far, new], stats, now=0.0, samples=16.0)
+    assert w == pytest.approx([1 / 0.161, 1 / 0.31, 1 / 0.161])  # the new one: shortest hop
+    r = Router(random.Random(3))
+    r.samples = 16.0
+    for pid, trip in (("near", 0.001), ("far", 0.150)):
+        r.started(pid)
+        r.finished(pid, True, now=0.0, latency_s=trip)
+    picks = Counter(r.choose([near, far], now=1.0).peer_id for _ in range(4000))  # type: ignore[union-attr]
+    assert picks["near"] / 4000 == pytest.approx(0.31 / (0.31 + 0.161), abs=0.03)
+
+
 def test_banned_peer_has_zero_weight_until_ban_ends() -> None:
     r = Router(random.Random(0), ban_s=10.0)
     r.started("a")
