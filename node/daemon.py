@@ -32,15 +32,7 @@ from node.config import Config, describe, parse_hostport
 from node.context import NodeContext, NodeState
 from node.identity import swarm_auth
 from node.metrics import MetricsServer, start_metrics_server
-from node.net.addresses import (
-    ANY_HOST,
-    DIRECT,
-    RELAYED,
-    UNKNOWN,
-    UNREACHABLE,
-    announce_host,
-    observed_address,
-)
+from node.net.addresses import ANY_HOST, DIRECT, UNKNOWN, announce_host, observed_address
 from node.net.netem import shaped
 from node.net.relay import RelayClient, RelayHub, RelayRoutes
 from node.net.transport import HttpTransport, TrafficStats, server_stats
@@ -68,9 +60,6 @@ from swarm.routing import Router
 from swarm.seams import MonotonicClock
 
 log = logging.getLogger(__name__)
-
-RELAY_WAIT_S = 2.0
-"""How often a node forced to relay (``net.force_relay``) looks for a relay until it has one."""
 
 
 class Node:
@@ -135,8 +124,15 @@ class Node:
         """The parts that serve the node, each given the context and the callables it uses."""
         self.guard = RequestGuard(self.ctx)  # admission of requests, bans of hostile peers
         self.states = StateFetcher(self.ctx, self.guard)
-        self.reachability = ReachabilityService(self.ctx)
         net = self.config.net
+        self.relays = RelayClient(  # what relays bring is served as /rpc serves it
+            peer_id=self.peer_id,
+            auth=self.auth,
+            max_frame_bytes=net.max_frame_bytes,
+            want=net.relays,
+            serve=lambda header, frame, origin: self.server.serve_relayed(header, frame, origin),
+        )
+        self.reachability = ReachabilityService(self.ctx, self.relays)
         self.relay_hub = RelayHub(
             peer_id=self.peer_id,
             auth=self.auth,
@@ -171,13 +167,6 @@ class Node:
             role=lambda: self.role,
             sync=lambda: self.sync,
             status=self.status,
-        )
-        self.relays = RelayClient(
-            peer_id=self.peer_id,
-            auth=self.auth,
-            max_frame_bytes=net.max_frame_bytes,
-            want=net.relays,
-            serve=self.server.serve_relayed,
         )
 
     @property
@@ -381,8 +370,7 @@ class Node:
         if self.relay_only:
             await asyncio.sleep(self.config.node.join_wait_s)
             self._adopt_observed()
-            if self.config.net.check_reachability:
-                await self.reachability.check()
+            await self.reachability.keep()
             log.info(
                 "relaying only (no stage): for up to %d nodes that cannot be dialled",
                 self.config.net.relay_capacity,
@@ -392,49 +380,12 @@ class Node:
         await self.balancer.measure()  # while we listen for peers
         await asyncio.sleep(max(0.0, self.config.node.join_wait_s - (time.monotonic() - t0)))
         self._adopt_observed()
-        await self._until_reachable()
+        await self.reachability.until_servable(self._adopt_observed)
         if self.config.node.stage == "auto":
             stage = self.balancer.choose()
         else:
             stage = int(self.config.node.stage)
         await self.take_stage(stage)
-
-    async def _until_reachable(self) -> None:
-        """Take no stage while peers can neither dial this node nor reach it through a relay:
-        it could serve nothing. Try again every ``net.reachability_retry_s`` (the address may
-        change, a port be opened, a relay come)."""
-        net = self.config.net
-        if net.force_relay:
-            while not await self._relay():
-                await asyncio.sleep(RELAY_WAIT_S)
-            return
-        if not net.check_reachability:
-            return
-        while await self.reachability.check() == UNREACHABLE:
-            if net.relays and await self._relay():
-                return
-            await asyncio.sleep(net.reachability_retry_s)
-            self._adopt_observed()
-
-    async def _relay(self) -> bool:
-        """Attach to relays until ``net.relays`` are held (a dead one replaced); True while
-        at least one is."""
-        changed = await self.relays.top_up(self.table.records())
-        if changed or self.reachability.state != RELAYED:
-            self.reachability.relayed(self.relays.addresses)
-        return bool(self.relays.addresses)
-
-    async def _check_reachability(self) -> None:
-        """Housekeeping's part: check again when it is due (the address changed, or nobody
-        had answered); while peers cannot dial this node, keep its relays (replace a dead
-        one, find one again after losing all)."""
-        net = self.config.net
-        checks = net.check_reachability and not net.force_relay
-        if checks and self.reachability.due(self.state.address):
-            await self.reachability.check()
-        undiallable = net.force_relay or self.reachability.state in (RELAYED, UNREACHABLE)
-        if undiallable and net.relays and not self.relay_only:
-            await self._relay()
 
     async def take_stage(self, stage: int) -> None:
         """Build ``stage``'s runner and role, get its weights (copy, rebuild or seed), serve."""
@@ -514,13 +465,13 @@ class Node:
         while True:
             await asyncio.sleep(1.0)
             self._adopt_observed()
-            await self._check_reachability()
+            await self.reachability.keep()
 
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             self._adopt_observed()
-            await self._check_reachability()
+            await self.reachability.keep()
             if self.sync is not None:
                 self.sync.forget_stale_rounds()
             runner = self.state.the_runner()

@@ -94,7 +94,7 @@ async def test_an_unreachable_node_with_no_relay_takes_no_stage(nodes: Any) -> N
     introduce(a, b)
     port = a.state.address.rsplit(":", 1)[1]
     a.state.address = f"192.168.7.2:{port}"
-    waiting = asyncio.ensure_future(a._until_reachable())
+    waiting = asyncio.ensure_future(a.reachability.until_servable(lambda: None))
     await asyncio.sleep(1.0)
     assert not waiting.done() and a.state.stage == -1  # still refusing to take one
     a.state.address = f"127.0.0.1:{port}"  # the volunteer fixed it (an --announce, a port)
@@ -108,7 +108,7 @@ async def test_an_unreachable_node_serves_through_a_peer_that_relays(nodes: Any)
     introduce(a, b)
     port = a.state.address.rsplit(":", 1)[1]
     a.state.address = f"192.168.7.2:{port}"
-    await a._until_reachable()
+    await a.reachability.until_servable(lambda: None)
     st = a.status()
     assert st["reachability"]["state"] == "relayed"
     assert st["reachability"]["detail"] == f"via {b.state.address}"

@@ -20,10 +20,12 @@ way: peers dial back). This module owns both sides of the check:
 - **arriving.** A ``DialProbe`` carrying a nonce this node issued proves a dial-back reached
   it (a peer's word alone is not enough: it could be wrong or lie).
 
-A node peers cannot dial serves through relays (``node.net.relay``) when it can attach to
-one: it is then ``relayed``, and says through which. The daemon does not let a node that is
-``unreachable`` with no relay take a stage: it says so and tries again every
-``net.reachability_retry_s``.
+- **relays.** A node peers cannot dial serves through relays (``node.net.relay``) when it
+  can attach to one: it is then ``relayed``, and says through which; it keeps
+  ``net.relays`` of them, replaces one that dies and finds one again after losing all.
+  ``net.force_relay`` skips the check. A node ``unreachable`` with no relay is not
+  servable: ``until_servable`` holds its join (no stage), trying again every
+  ``net.reachability_retry_s``. A relay-only node (``--stage relay``) only checks.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from node.config import parse_hostport
 from node.context import NodeContext
 from node.net.addresses import DIRECT, RELAYED, UNKNOWN, UNREACHABLE
+from node.net.relay import RelayClient
 from protocol.messages import Ack, DialBack, DialBackResult, DialProbe, PeerRecord, expect
 from swarm.seams import Refused, TransportError
 
@@ -52,13 +56,17 @@ AVOID_S = 60.0
 """How long this node's router avoids a peer it could not dial back."""
 RECHECK_UNKNOWN_S = 30.0
 """A node that found nobody to ask checks again this often once peers are known."""
+RELAY_WAIT_S = 2.0
+"""How often a node forced to relay (``net.force_relay``) looks for a relay until it has one."""
 
 
 class ReachabilityService:
     """This node's reachability (asking) and its dial-backs for peers (answering)."""
 
-    def __init__(self, ctx: NodeContext) -> None:
+    def __init__(self, ctx: NodeContext, relays: RelayClient) -> None:
         self.ctx = ctx
+        self.relays = relays
+        """This node's relays, used while peers cannot dial it."""
         self.state = UNKNOWN
         self.checked_address = ""
         """The address the last check was about."""
@@ -68,6 +76,45 @@ class ReachabilityService:
         self._nonces: dict[str, bool] = {}
         """Nonces of this node's checks in flight -> whether a dial-back brought it here."""
         self._dials = 0
+
+    # ---- the node's life ------------------------------------------------------------------
+
+    async def until_servable(self, adopt_observed: Callable[[], None]) -> None:
+        """Return once peers can dial this node or reach it through a relay: before that it
+        could serve nothing, so it takes no stage. Tries again every
+        ``net.reachability_retry_s`` (the address may change, a port be opened, a relay
+        come); ``adopt_observed`` first takes the address peers see, if it changed."""
+        net = self.ctx.config.net
+        if net.force_relay:
+            while not await self._relay():
+                await asyncio.sleep(RELAY_WAIT_S)
+            return
+        if not net.check_reachability:
+            return
+        while await self.check() == UNREACHABLE:
+            if net.relays and await self._relay():
+                return
+            await asyncio.sleep(net.reachability_retry_s)
+            adopt_observed()
+
+    async def keep(self) -> None:
+        """Housekeeping (every second): check again when it is due (the address changed,
+        or nobody had answered); while peers cannot dial this node, keep its relays."""
+        net = self.ctx.config.net
+        if net.check_reachability and not net.force_relay and self.due(self.ctx.state.address):
+            await self.check()
+        relay_only = self.ctx.config.node.stage == "relay"
+        undiallable = net.force_relay or self.state in (RELAYED, UNREACHABLE)
+        if undiallable and net.relays and not relay_only:
+            await self._relay()
+
+    async def _relay(self) -> bool:
+        """Attach to relays until ``net.relays`` are held (a dead one replaced); True while
+        at least one is."""
+        changed = await self.relays.top_up(self.ctx.table.records())
+        if changed or self.state != RELAYED:
+            self.relayed(self.relays.addresses)
+        return bool(self.relays.addresses)
 
     # ---- asking -------------------------------------------------------------------------
 
