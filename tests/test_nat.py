@@ -17,7 +17,9 @@ relay (``node.net.relay``): a WebSocket it opens to a public peer. The tests:
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import accounted, wait_for
 from tests.netns import Host, Lab, netns_lab  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(300)]
@@ -183,6 +185,47 @@ def test_two_natted_replicas_behind_two_routers_train_and_pair_through_a_relay(
         for out in logs:
             out.close()
         show_logs(tmp_path, ["head", "relay", "natted0", "natted1"])
+
+
+def test_when_the_relay_in_use_dies_the_natted_node_moves_and_training_goes_on(
+    netns_lab: Callable[[int], Lab],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    lab = netns_lab(3)
+    public_head, *public_relays = lab.hosts
+    behind_nat = lab.add_natted()
+    swarm = f"nat-{secrets.token_hex(3)}"
+    head = f"{public_head.address}:{PORT}"
+    logs = [join(public_head, "0", None, tmp_path / "head.log", swarm, NO_RELAY)]
+    relays, procs = [], []
+    for k, host in enumerate(public_relays):
+        logs.append(join(host, "relay", head, tmp_path / f"relay{k}.log", swarm))
+        relays.append(f"{host.address}:{PORT}")
+        procs.append(lab.procs[-1])  # the relay-only node's process, to kill
+    try:
+        for host in public_relays:  # both relay-only nodes up before the NATed node looks
+            wait_for(lambda h=host: status_of(h)["relay"]["capacity"] == 8, 60, "a relay")
+        logs.append(join(behind_nat, "1", head, tmp_path / "natted.log", swarm, ("net.relays=1",)))
+        st = wait_for(lambda: (s := status_of(behind_nat))["ready"] and s, 120, "NATed node")
+        (used,) = (v["address"] for v in st["relay"]["via"])
+        wait_for(lambda: completed(public_head) >= 10, 120, "10 microbatches through the relay")
+        os.killpg(procs[relays.index(used)].pid, signal.SIGKILL)  # the relay goes away
+        (other,) = (r for r in relays if r != used)
+        wait_for(
+            lambda: [v["address"] for v in status_of(behind_nat)["relay"]["via"]] == [other],
+            60,
+            "the NATed node to attach to the other relay",
+        )
+        before = completed(public_head)
+        wait_for(lambda: completed(public_head) >= before + 10, 120, "10 more microbatches")
+        head_st = status_of(public_head)
+        issued, ended = accounted(head_st["counters"], head_st["pending"])
+        assert issued == ended, head_st["counters"]
+    finally:
+        lab.close()
+        for out in logs:
+            out.close()
+        show_logs(tmp_path, ["head", "relay0", "relay1", "natted"])
 
 
 def test_with_no_relay_a_node_behind_nat_knows_it_is_unreachable_and_takes_no_stage(
