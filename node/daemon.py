@@ -211,6 +211,7 @@ class Node:
                     "throughput": round(p.throughput, 2),
                     "queue": p.queue,
                     "ready": p.ready,
+                    "relayed": bool(p.relays),
                     "age_s": round(self.table.age_s(p.peer_id, now) or 0.0, 2),
                 }
             )
@@ -314,11 +315,13 @@ class Node:
         self.state.address = f"{announce_host(self.config.net, host)}:{port}"
         self.router.here = self.state.address
         log.info(
-            "node %s listening on %s:%d, announcing %s",
+            "node %s listening on %s:%d, announcing %s; its page: http://%s:%d/",
             self.peer_id,
             host,
             port,
             self.state.address,
+            "127.0.0.1" if host in ANY_HOST else host,  # this machine's browser
+            port,
         )
 
     def _log_start(self) -> None:

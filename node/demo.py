@@ -148,7 +148,7 @@ def run_demo(args: argparse.Namespace) -> int:
         head = swarm.addresses[0]
         for address in swarm.addresses:
             wait_ready(address, 120.0, swarm)
-        say("all nodes ready; training")
+        say(f"all nodes ready; training. The swarm's page: http://{head}/")
         summary = _train(head, swarm, args.budget_s, say, auth)
     except (RuntimeError, TimeoutError) as e:
         say(f"demo failed: {e}")

@@ -14,7 +14,8 @@ Owns the aiohttp application and what happens to a request before a service work
   same way (``serve_relayed``), proof and all; only dial-backs are refused that way.
 - ``GET /relay`` and ``POST /relay/<peer id>``: this node relaying for nodes that cannot be
   dialled (``node.net.relay.RelayHub``).
-- ``GET /status``: the node's view of the swarm, as JSON.
+- ``GET /status``: the node's view of the swarm, as JSON; ``GET /``: a page drawing it
+  (``node/page.html``: stages as columns, the loss curve, sync rounds, recoveries).
 - ``POST /eval`` (a ready head node evaluates now) and ``POST /profile?seconds=S`` (the
   compute thread's torch operators, ``node.stage.opprofile``): they cost the node work, so
   a keyed swarm wants a proof over the empty body.
@@ -32,6 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,6 +88,10 @@ from swarm.seams import Refused
 
 log = logging.getLogger(__name__)
 
+PAGE = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
+"""The swarm's page (``GET /``): stages, replicas, the loss curve, sync rounds, recoveries;
+it reads ``/status`` every 3 s, so it shows nothing ``/status`` does not."""
+
 
 class NodeServer:
     """Serves one node's endpoints; the daemon starts and closes it."""
@@ -125,6 +131,7 @@ class NodeServer:
         self.app.router.add_get(RELAY_PATH, relay_hub.handle_attach)
         self.app.router.add_post(RELAY_PATH + "/{peer}", relay_hub.handle_forward)
         self.app.router.add_get("/status", self._handle_status)
+        self.app.router.add_get("/", self._handle_page)
         self.app.router.add_post("/eval", self._handle_eval)
         self.app.router.add_post("/profile", self._handle_profile)
         self._runner: web.AppRunner | None = None
@@ -321,6 +328,10 @@ class NodeServer:
 
     async def _handle_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
+
+    async def _handle_page(self, request: web.Request) -> web.Response:
+        """``GET /``: the swarm's page, drawn in the browser from ``/status`` (no CDN)."""
+        return web.Response(text=PAGE, content_type="text/html", charset="utf-8")
 
     def _operator_refusal(self, request: web.Request) -> web.Response | None:
         """For the operator's endpoints that cost the node work (``/eval``, ``/profile``): in

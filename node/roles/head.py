@@ -47,6 +47,9 @@ from swarm.window import InFlightWindow, WindowConfig
 
 log = logging.getLogger(__name__)
 
+LOSS_HISTORY = 360
+LOSS_HISTORY_EVERY_S = 2.0
+
 
 @dataclass
 class Pending:
@@ -112,6 +115,9 @@ class HeadRole:
         self._wake = asyncio.Event()
         self.last_loss: float | None = None
         self.loss_ema: float | None = None
+        self.loss_history: deque[tuple[int, float]] = deque(maxlen=LOSS_HISTORY)
+        """(tokens, loss EMA), one point every ``LOSS_HISTORY_EVERY_S``: the page's curve."""
+        self._loss_sampled_s = 0.0
         self.tokens = 0
         self.started_s: float | None = None
         self.window = _Window()
@@ -378,6 +384,10 @@ class HeadRole:
             return
         self.last_loss = loss
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        now = time.monotonic()
+        if not self.loss_history or now - self._loss_sampled_s >= LOSS_HISTORY_EVERY_S:
+            self.loss_history.append((self.tokens, round(self.loss_ema, 4)))
+            self._loss_sampled_s = now
 
     # ---- evaluation ---------------------------------------------------------------------
 
@@ -410,6 +420,7 @@ class HeadRole:
             "loss_ema": self.loss_ema,
             "eval_loss": self.evals[-1].loss if self.evals else None,
             "evals": [vars(e) for e in self.evals],
+            "loss_history": list(self.loss_history),
             "tokens": self.tokens,
             "tokens_per_s": round(self.window.rate(now), 1),
             "train_s": round(now - self.started_s, 1) if self.started_s else 0.0,

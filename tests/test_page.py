@@ -1,0 +1,69 @@
+"""The swarm's page (``GET /``) in a real browser: headless Chromium loads the head's page of
+a live three-node swarm, and the test reads what a person would see from the rendered DOM
+(the three stages with their ready replicas, a loss curve that falls), and keeps a
+screenshot (printed path; ``docs/page.png`` is one such screenshot)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from node.client import fetch_status
+from node.demo import LocalSwarm, wait_ready
+from tests.helpers import FAST_SWARM, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def chromium(*args: str) -> str:
+    """Run headless Chromium with ``args``; its stdout. It waits up to 5 s of page time for
+    the page's script (which fetches ``/status``) before dumping or shooting."""
+    assert CHROMIUM is not None
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu"]
+    cmd += ["--virtual-time-budget=5000", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=True)
+    return done.stdout
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> None:
+    s = LocalSwarm(
+        tmp_path, {**FAST_SWARM, "swarm.num_block_stages": "2", "balance.benchmark_s": "0"}
+    )
+    try:
+        head = s.start_node(0)
+        wait_ready(head, 90, s)
+        for stage in (1, 2):
+            wait_ready(s.start_node(stage), 90, s)
+
+        def learning() -> bool:
+            history = fetch_status(head)["loss_history"]
+            return len(history) >= 6 and history[-1][1] < history[0][1] - 0.3
+
+        wait_for(learning, 180, "the loss to fall")
+        dom = chromium("--dump-dom", f"http://{head}/")
+        assert 'data-loaded="1"' in dom, dom[-2000:]
+        dom = dom.split("<script>")[0]  # what is drawn, not the script that draws it
+        columns = [  # (stage, heading, what the column shows)
+            (part[0], part.split("<h2>")[1].split("</h2>")[0], part)
+            for part in dom.split('<div class="stage" data-stage="')[1:]
+        ]
+        assert [c[0] for c in columns] == ["0", "1", "2"], dom[-3000:]
+        assert columns[0][1] == "head (stage 0)" and "(this node)" in columns[0][2]
+        assert all("ready" in c[2] for c in columns)
+        first, last = re.search(r'data-first="([\d.]+)" data-last="([\d.]+)"', dom).groups()  # type: ignore[union-attr]
+        assert float(last) < float(first) - 0.3
+        assert 'id="loss-path"' in dom and "tokens/s" in dom
+        assert "swarm_key" not in dom and "X-Murmur-Auth" not in dom  # nothing secret
+        shot = tmp_path / "page.png"
+        chromium("--window-size=1000,800", f"--screenshot={shot}", f"http://{head}/")
+        assert shot.stat().st_size > 10_000
+        print(f"screenshot of the page: {shot}")
+    finally:
+        s.stop(grace_s=5)
