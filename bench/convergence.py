@@ -144,6 +144,9 @@ def run_live(settings: dict[str, str], tokens: int, milestones: list[int], log_d
             "node.join_wait_s": "1.0",
             "train.eval_interval_s": "0",
             "node.threads": "1",
+            # the layout stays 2 + 2: no node refills a stage that is empty only because
+            # its replicas are still starting
+            "recovery.refill_wait_s": "120",
         },
     )
     curve = Curve(settings["sync.method"], int(settings["swarm.seed"]), 2)
@@ -161,8 +164,7 @@ def run_live(settings: dict[str, str], tokens: int, milestones: list[int], log_d
             curve.tokens.append(done)
             curve.eval_loss.append(request_eval(heads[0]))
             spreads = []
-            for pair in (blocks[0:2], blocks[2:4]):
-                stage = 1 if pair is blocks[0:2] else 2
+            for stage, pair in ((1, blocks[0:2]), (2, blocks[2:4])):
                 a, b = (live_weights(x, stage) for x in pair)
                 mean = (a + b) / 2
                 spreads.append(float(torch.sqrt((((a - mean) ** 2 + (b - mean) ** 2) / 2).mean())))
