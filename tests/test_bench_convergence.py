@@ -23,3 +23,15 @@ def test_quick_study_runs_every_method_and_records_what_the_issue_asks(tmp_path:
     assert methods["noloco"]["outer_rounds"] > 0 and methods["none"]["outer_rounds"] == 0
     assert (tmp_path / "convergence-quick.json").is_file()
     assert (tmp_path / "convergence-quick.png").is_file()
+
+
+def test_quick_live_check_runs_real_processes_beside_the_simulation(tmp_path: Path) -> None:
+    """The check of the fast path against ``node join`` processes (2 heads, 2 block stages x
+    2 replicas, NoLoCo), at the quick budget: the live curve has the simulation's milestones
+    and every figure the comparison needs."""
+    check = main(["--quick", "--check-only", "--out", str(tmp_path)])["live_check"]
+    live, sim = check["live"], check["simulated"]
+    assert len(live["eval_loss"]) == len(sim["eval_loss"]) >= 3
+    assert live["eval_loss"][-1] < live["eval_loss"][0]  # the live swarm learns too
+    assert all(s >= 0 for s in live["spread"]) and live["inner_steps"] > 0
+    assert 0 <= check["live_vs_sim_final_gap"] < 1 and check["live_vs_sim_max_gap"] >= 0
