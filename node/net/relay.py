@@ -45,6 +45,7 @@ from node.net.transport import (
     RPC_PATH,
     Route,
     Served,
+    digest_of,
     read_body,
 )
 from protocol.auth import AUTH_HEADER, SwarmAuth, frame_digest
@@ -75,7 +76,7 @@ WS_OVERHEAD_BYTES = 4096
 # ---- the WebSocket messages -------------------------------------------------------------
 
 
-def pack_request(req_id: int, origin: str, header: str | None, body: bytes) -> bytes:
+def pack_request(req_id: int, origin: str, header: str | None, body: bytes | bytearray) -> bytes:
     """Relay to node: a request from ``origin`` (the sender's host, as the relay saw it)."""
     return msgpack.packb([REQUEST, req_id, origin, header, body])
 
@@ -263,9 +264,9 @@ class RelayHub:
             incoming = None
             if self.auth is not None:  # strangers do not get relayed: the cheap checks first
                 incoming = self.auth.accept_for(peer_id, header, "POST", RPC_PATH, time.time())
-            body = bytes(await read_body(request, self.limits))
+            body = await read_body(request, self.limits)
             if incoming is not None:
-                incoming.verify(frame_digest([body]))
+                incoming.verify(await digest_of([body]))  # a large frame off the loop
             status, reply_header, reply = await self.exchange(
                 peer_id, header, body, request.remote or "?", RELAY_TIMEOUT_S
             )
@@ -289,7 +290,12 @@ class RelayHub:
         )
 
     async def exchange(
-        self, peer_id: str, header: str | None, body: bytes, origin: str, timeout_s: float
+        self,
+        peer_id: str,
+        header: str | None,
+        body: bytes | bytearray,
+        origin: str,
+        timeout_s: float,
     ) -> Served:
         """Send a frame down ``peer_id``'s WebSocket and wait for its reply."""
         node = self._nodes.get(peer_id)
