@@ -13,6 +13,7 @@ from node.stage.model import (
     BlockStage,
     FullModel,
     HeadStage,
+    KVCache,
     ModelConfig,
     build_model,
     build_stage,
@@ -161,8 +162,10 @@ def test_fingerprint_stable_and_sensitive() -> None:
         model_fingerprint(SMALL, 2, 0),
         model_fingerprint(SMALL, 3, 1),
         model_fingerprint(ModelConfig(**{**vars(SMALL), "rope_theta": 500.0}), 3, 0),
+        model_fingerprint(ModelConfig(**{**vars(SMALL), "embed_norm": False}), 3, 0),
+        model_fingerprint(ModelConfig(**{**vars(SMALL), "checkpoint": "0123456789abcdef"}), 3, 0),
     }
-    assert base not in others and len(others) == 3
+    assert base not in others and len(others) == 5
     with pytest.raises(ValueError, match="divisible"):
         model_fingerprint(SMALL, 4, 0)
 
@@ -209,3 +212,32 @@ def test_too_long_sequence_rejected() -> None:
     model = build_model(SMALL, seed=0)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(_ids(SMALL, seq_len=SMALL.max_seq_len + 1))
+
+
+def test_without_embed_norm_the_embedding_is_the_table() -> None:
+    cfg = ModelConfig(**{**vars(SMALL), "embed_norm": False})
+    head = build_stage(cfg, 3, 0, seed=0)
+    assert isinstance(head, HeadStage)
+    assert "embed_norm.weight" not in head.state_dict()
+    assert cfg.num_params() == _meta_param_count(cfg) == SMALL.num_params() - cfg.d_model
+    ids = _ids(cfg)
+    with torch.no_grad():
+        assert torch.equal(head.embed(ids), head.tok_embedding.weight[ids])
+
+
+def test_kv_cache_equals_full_forward() -> None:
+    model = build_model(SMALL, seed=1).eval()
+    ids = _ids(SMALL, batch=3, seq_len=SMALL.max_seq_len)
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache(SMALL)
+        # A prompt, single tokens, then a chunk after cached positions (the masked case).
+        parts = [ids[:, :7], ids[:, 7:8], ids[:, 8:9], ids[:, 9:20], ids[:, 20:]]
+        cached = torch.cat([model(part, cache) for part in parts], dim=1)
+        assert cache.length == SMALL.max_seq_len
+        torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="length 33 exceeds max_seq_len 32"):
+            model(ids[:, :1], cache)
+        # A wrong mask (past positions hidden, or future ones shown) would not be close.
+        uncached_tail = model(ids[:, 9:20])
+        assert (uncached_tail - full[:, 9:20]).abs().max() > 1e-3

@@ -14,10 +14,17 @@ the loss computed in fp32, and the residual stream kept in the dtype of its inpu
 ``torch.autocast(..., dtype=torch.bfloat16)`` the matmuls run in bf16 while the residual
 stays fp32.
 
+``ModelConfig.embed_norm`` turns that embedding norm off, which makes the model exactly
+Llama's (a swarm started from a Llama checkpoint, ``node.stage.hf``).
+
 Stage 0 (``HeadStage``) holds the token embedding, the embedding norm, the final norm and
 the LM head; stages ``1..N`` (``BlockStage``) hold ``num_blocks // N`` consecutive blocks
 each, with identical parameter names and shapes, so CheckFree can average neighbour stages
 key by key.
+
+Generation keeps a ``KVCache`` (the keys and values of every position already seen, per
+block; Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2), so that
+``FullModel`` computes only the new positions of each forward.
 """
 
 from __future__ import annotations
@@ -70,6 +77,15 @@ class ModelConfig:
     """Standard deviation of the normal init of linear and embedding weights; output
     projections of attention and MLP use ``init_std / sqrt(2 * num_blocks)``."""
 
+    embed_norm: bool = True
+    """An RMSNorm right after the token embedding (YaLM's stability practice); false gives
+    exactly the Llama architecture, as a model started from a Llama checkpoint has it."""
+
+    checkpoint: str = ""
+    """Content hash of the Hugging Face checkpoint the swarm started from, set from its files
+    by ``node join --init hf:DIR`` (never by hand); empty for a swarm started from the seed.
+    Part of the fingerprint, so swarms started from different checkpoints never mix."""
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_heads", "num_blocks", "ffn_dim", "max_seq_len"):
             if getattr(self, name) < 1:
@@ -96,8 +112,10 @@ class ModelConfig:
         return 4 * self.d_model**2 + 3 * self.d_model * self.ffn_dim + 2 * self.d_model
 
     def head_params(self) -> int:
-        """Parameters of the head stage: embedding, two norms and the (untied) LM head."""
-        return 2 * self.vocab_size * self.d_model + 2 * self.d_model
+        """Parameters of the head stage: embedding, its norm (if any), the final norm and the
+        (untied) LM head."""
+        norms = 2 if self.embed_norm else 1
+        return 2 * self.vocab_size * self.d_model + norms * self.d_model
 
     def num_params(self) -> int:
         """Parameters of the whole model (head stage plus all blocks)."""
@@ -138,6 +156,17 @@ def stage_blocks(cfg: ModelConfig, num_block_stages: int, stage: int) -> range:
     return range((stage - 1) * per_stage, stage * per_stage)
 
 
+def stage_shapes(cfg: ModelConfig, num_block_stages: int, stage: int) -> dict[str, torch.Size]:
+    """Parameter names and shapes of a stage, as its ``state_dict`` has them, without
+    allocating it (meta device)."""
+    blocks = stage_blocks(cfg, num_block_stages, stage)
+    with torch.device("meta"):
+        if stage == 0:
+            return {k: v.shape for k, v in HeadStage(cfg).state_dict().items()}
+        block = Block(cfg).state_dict()
+    return {f"blocks.{i}.{k}": v.shape for i in range(len(blocks)) for k, v in block.items()}
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) computed in fp32, returned in the input dtype."""
 
@@ -166,10 +195,13 @@ class Rotary(nn.Module):
         self.theta = theta
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``cos, sin`` of shape ``[seq_len, head_dim]`` in fp32."""
-        if seq_len > self.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.max_seq_len}")
+    def forward(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` of positions ``start .. start + seq_len - 1``, shape
+        ``[seq_len, head_dim]``, in fp32."""
+        if start + seq_len > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {start + seq_len} exceeds max_seq_len {self.max_seq_len}"
+            )
         if device not in self._tables:
             # Plain tensors even when first called under inference_mode, so a later
             # training step can save them for backward; fp32 whatever autocast says.
@@ -181,7 +213,7 @@ class Rotary(nn.Module):
                 angles = torch.cat([angles, angles], dim=-1)
                 self._tables[device] = (angles.cos(), angles.sin())
         cos, sin = self._tables[device]
-        return cos[:seq_len], sin[:seq_len]
+        return cos[start : start + seq_len], sin[start : start + seq_len]
 
 
 def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -190,6 +222,45 @@ def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x32.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class LayerCache:
+    """One block's keys and values ``[B, H, T, hd]`` of the positions seen so far, in buffers
+    of ``max_seq_len`` positions allocated on first use (appending never copies the past)."""
+
+    def __init__(self, max_seq_len: int) -> None:
+        self.max_seq_len = max_seq_len
+        self.length = 0
+        self._k: Tensor | None = None
+        self._v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions' ``k, v``; return the keys and values of every position."""
+        end = self.length + k.shape[2]
+        if end > self.max_seq_len:
+            raise ValueError(f"the KV cache holds at most {self.max_seq_len} positions, not {end}")
+        if self._k is None or self._v is None or self._k.shape[:2] != k.shape[:2]:
+            if self.length:
+                raise ValueError("a KV cache cannot change batch size or heads midway")
+            shape = (*k.shape[:2], self.max_seq_len, k.shape[3])
+            self._k = k.new_empty(shape)
+            self._v = v.new_empty(shape)
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every block for the positions a ``FullModel`` has seen."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.layers = [LayerCache(cfg.max_seq_len) for _ in range(cfg.num_blocks)]
+
+    @property
+    def length(self) -> int:
+        """Positions seen so far (the position of the next token)."""
+        return self.layers[0].length
 
 
 class Attention(nn.Module):
@@ -211,16 +282,30 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None
+    ) -> Tensor:
+        """``x`` ``[B, T, D]``; with ``cache``, ``x`` holds the positions after those cached,
+        which it attends to as well (``cos, sin`` must be those of the new positions)."""
         batch, seq_len, d_model = x.shape
         shape = (batch, seq_len, self.num_heads, self.head_dim)
         q = self.wq(x).view(shape).transpose(1, 2)
         k = self.wk(x).view(shape).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-        if self.observe:
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)
+        if self.observe and past == 0:
             self.max_logit = _max_causal_logit(q, k)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif seq_len == 1:  # one new position: it may see every cached one
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:  # new position i sees positions 0 .. past + i (is_causal aligns top-left)
+            allowed = torch.ones(seq_len, past + seq_len, dtype=torch.bool, device=x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.tril(past))
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -256,9 +341,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache | None = None
+    ) -> Tensor:
         # The residual stream keeps its own dtype (fp32 under autocast), per YaLM.
-        h = h + self.attn(self.attn_norm(h), cos, sin).to(h.dtype)
+        h = h + self.attn(self.attn_norm(h), cos, sin, cache).to(h.dtype)
         return h + self.mlp(self.mlp_norm(h)).to(h.dtype)
 
 
@@ -267,13 +354,16 @@ _OUTPUT_PROJECTIONS = ("attn.wo.weight", "mlp.w2.weight")
 
 
 class HeadStage(nn.Module):
-    """Stage 0: token embedding, embedding norm, final norm, LM head and the loss."""
+    """Stage 0: token embedding, embedding norm (unless ``cfg.embed_norm`` is off: then no
+    such parameter), final norm, LM head and the loss."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.embed_norm: nn.Module = (
+            RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.embed_norm else nn.Identity()
+        )
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
@@ -320,17 +410,20 @@ class FullModel(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.rotary = Rotary(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
 
-    def hidden(self, ids: Tensor) -> Tensor:
-        """Hidden states after the last block, ``[B, T, D]``."""
+    def hidden(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Hidden states after the last block, ``[B, T, D]``; with ``cache``, ``ids`` are the
+        positions after those cached, and the cache takes theirs."""
         h = self.head.embed(ids)
-        cos, sin = self.rotary(ids.shape[1], h.device)
-        for block in self.blocks:
-            h = block(h, cos, sin)
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rotary(ids.shape[1], h.device, start)
+        layers = [None] * len(self.blocks) if cache is None else cache.layers
+        for block, layer in zip(self.blocks, layers, strict=True):
+            h = block(h, cos, sin, layer)
         return h
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Token ids ``[B, T]`` to logits ``[B, T, V]``."""
-        return self.head.logits(self.hidden(ids))
+    def forward(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Token ids ``[B, T]`` to logits ``[B, T, V]`` (with ``cache``: see ``hidden``)."""
+        return self.head.logits(self.hidden(ids, cache))
 
     def loss(self, ids: Tensor, labels: Tensor) -> Tensor:
         return self.head.loss(self.hidden(ids), labels)
