@@ -1,8 +1,10 @@
 """Tokenizers: text to token ids and back.
 
-Owns the byte-level default (``ByteTokenizer``: UTF-8 bytes, lossless, no vocabulary file)
-and a Hugging Face ``tokenizer.json`` read by path (``HFTokenizer``, which needs the
-``tokenizers`` package of the optional ``data`` extra and is imported only when used).
+Owns the byte-level default (``ByteTokenizer``: UTF-8 bytes, lossless, no vocabulary file),
+the same tokenizer written as a Hugging Face ``tokenizer.json`` (``save_byte_tokenizer``,
+for exports other libraries load), and a ``tokenizer.json`` read by path (``HFTokenizer``).
+Both of the latter need the ``tokenizers`` package of the optional ``data`` extra, imported
+only when used.
 Does not own corpora or batching (``node.data.dataset``).
 """
 
@@ -36,8 +38,43 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-# Tokens that end a document, in the order they are looked for in a tokenizer.json.
+def _byte_chars() -> list[str]:
+    """The printable character GPT-2's byte-level BPE writes for each byte value (Radford et
+    al. 2019, ``encoder.py`` ``bytes_to_unicode``): printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(0x100 + shifted))
+            shifted += 1
+    return chars
+
+
+def save_byte_tokenizer(path: str | Path) -> None:
+    """Write ``ByteTokenizer`` as a ``tokenizers`` ``tokenizer.json``: a byte-level BPE with
+    the 256 byte symbols as its vocabulary (id = byte value) and no merges, so it encodes any
+    text to exactly ``ByteTokenizer``'s ids and decodes them back the same way."""
+    try:
+        from tokenizers import Tokenizer as _HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+    except ImportError:
+        raise ValueError(
+            "writing tokenizer.json needs the 'tokenizers' package: pip install murmuration[data]"
+        ) from None
+    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path))
+
+
+# Tokens that end a document, and that begin one, in the order they are looked for in a
+# tokenizer.json.
 _EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+_BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 
 
 class HFTokenizer:
@@ -65,8 +102,15 @@ class HFTokenizer:
         if self.vocab_size < 1:
             raise ValueError(f"{path}: the tokenizer has an empty vocabulary")
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eos = next((vocab[t] for t in _EOS_TOKENS if t in vocab), None)
-        self.separator_ids: list[int] = [eos] if eos is not None else self.encode(DOC_SEPARATOR)
+        self.eos_token: str | None = next((t for t in _EOS_TOKENS if t in vocab), None)
+        """The end-of-text token, if the vocabulary has one (``_EOS_TOKENS``)."""
+        self.bos_token: str | None = next((t for t in _BOS_TOKENS if t in vocab), None)
+        """The beginning-of-text token, if the vocabulary has one (``_BOS_TOKENS``)."""
+        self.eos_id = None if self.eos_token is None else vocab[self.eos_token]
+        self.bos_id = None if self.bos_token is None else vocab[self.bos_token]
+        self.separator_ids: list[int] = (
+            [self.eos_id] if self.eos_id is not None else self.encode(DOC_SEPARATOR)
+        )
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
