@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 $(STAMP):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,data]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,data,hf]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
