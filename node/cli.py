@@ -1,6 +1,9 @@
 """Command line: ``node join``, ``status``, ``profile``, ``demo``, ``export``, ``generate``
 (also ``murmur``).
 
+Owns, besides, the config a Hugging Face checkpoint implies (``--init hf:DIR``: the model
+and tokenizer come from its files, ``with_init_model``).
+
 Owns argument parsing, user-facing output and exit codes. Flags are what a volunteer types;
 everything else lives in the TOML config file (``--config``), the environment
 (``MURMUR_SECTION_FIELD``) or, for one-off experiments, ``--set section.field=value``.
@@ -35,13 +38,15 @@ from node.demo import run_demo
 from node.display import format_profile, format_status
 from node.identity import load_identity
 from node.logs import set_context, setup_logging
+from node.stage import hf
 from node.stage.export import (
+    FORMATS,
     check_init_dir,
     export_model,
     generate,
-    load_export,
-    load_export_tokenizer,
+    load_model,
 )
+from node.stage.model import preset
 from swarm.recovery import RecoveryMethod
 
 
@@ -122,7 +127,8 @@ def _add_join(sub: Any) -> None:
     j.add_argument(
         "--init",
         metavar="DIR",
-        help="start a stage with no live replica from this exported model (node export)",
+        help="start a stage with no live replica from this exported model (node export), or "
+        "hf:DIR from a local Hugging Face Llama checkpoint (its model, tokenizer and weights)",
     )
     j.add_argument(
         "--no-zeroconf", action="store_true", help="do not announce or browse on the LAN"
@@ -210,12 +216,36 @@ def _add_export(sub: Any) -> None:
     e.add_argument(
         "--timeout-s", type=float, default=60.0, help="deadline of each state fetch (default 60)"
     )
+    e.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="murmuration",
+        help="murmuration (default: read by node generate and --init DIR) or hf: a Hugging "
+        "Face Llama checkpoint (transformers' from_pretrained; node generate and --init hf:DIR)",
+    )
+    e.add_argument(
+        "--dtype",
+        choices=tuple(hf.DTYPES),
+        default="float32",
+        help="weights' dtype with --format hf (default float32)",
+    )
+    e.add_argument(
+        "--init",
+        metavar="hf:DIR",
+        help="the swarm's --init hf:DIR, if it started from a Hugging Face checkpoint (its "
+        "model config comes from there)",
+    )
     e.set_defaults(func=_cmd_export)
 
 
 def _add_generate(sub: Any) -> None:
     g = sub.add_parser("generate", help="sample text from an exported model (no swarm needed)")
-    g.add_argument("--model", required=True, metavar="DIR", help="directory written by node export")
+    g.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="directory written by node export (either format) or a Hugging Face Llama checkpoint",
+    )
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument(
         "--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (0.8)"
@@ -249,7 +279,43 @@ def join_config(args: argparse.Namespace) -> Config:
         "net.zeroconf": False if args.no_zeroconf else None,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    return with_tokenizer_vocab(resolve_config(args.config, os.environ, overrides))
+    return with_tokenizer_vocab(with_init_model(resolve_config(args.config, os.environ, overrides)))
+
+
+def with_init_model(config: Config) -> Config:
+    """``config`` with the model of its ``--init hf:DIR`` checkpoint, if it has one: the
+    architecture, vocabulary and content hash (``model.checkpoint``) from the checkpoint's
+    files, its tokenizer as ``data.tokenizer``. Every node reads the same files, so their
+    fingerprints agree; ``[model]`` settings and another tokenizer are refused."""
+    if not hf.is_hf(config.node.init_dir):
+        return config
+    init = config.node.init_dir
+    ckpt = hf.read_checkpoint(hf.hf_dir(init))
+    base = preset(config.swarm.model)
+    changed = [f for f in vars(base) if getattr(base, f) != getattr(config.model, f)]
+    if changed:
+        raise ValueError(
+            f"--init {init}: the model comes from the checkpoint; drop the model.{changed[0]} "
+            "setting"
+        )
+    tokenizer = str(Path(ckpt.tokenizer).resolve())
+    if config.data.tokenizer and Path(config.data.tokenizer).resolve() != Path(tokenizer):
+        raise ValueError(
+            f"--init {init}: data.tokenizer {config.data.tokenizer} is not the checkpoint's "
+            f"tokenizer ({tokenizer}); leave data.tokenizer unset"
+        )
+    model, stages = ckpt.model, config.swarm.num_block_stages
+    if model.num_blocks % stages:
+        raise ValueError(
+            f"--init {init}: the checkpoint's {model.num_blocks} layers cannot be split into "
+            f"{stages} equal block stages; set swarm.num_block_stages to a divisor"
+        )
+    if config.data.seq_len > model.max_seq_len:
+        raise ValueError(
+            f"--init {init}: data.seq_len {config.data.seq_len} exceeds the checkpoint's "
+            f"max_position_embeddings {model.max_seq_len}"
+        )
+    return replace(config, model=model, data=replace(config.data, tokenizer=tokenizer))
 
 
 def with_tokenizer_vocab(config: Config) -> Config:
@@ -267,7 +333,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
             print(f"{key} = {default}\n    {doc}")
         return 0
     config = join_config(args)
-    if config.node.init_dir:
+    if config.node.init_dir and not hf.is_hf(config.node.init_dir):  # hf: read just above
         check_init_dir(config.node.init_dir, config.model)  # a clear error before joining
     setup_logging(config.node.log_level)
     reuse_freed_memory(config.node.malloc_reuse)
@@ -345,22 +411,29 @@ def _cmd_export(args: argparse.Namespace) -> int:
     # The node's own split is the truth; model preset, overrides and seed come from the
     # given config and are checked against the node's fingerprint.
     overrides["swarm.num_block_stages"] = status["num_stages"] - 1
-    config = with_tokenizer_vocab(resolve_config(args.config, os.environ, overrides))
-    info = export_model(status, config, args.out, timeout_s=args.timeout_s)
+    if args.init is not None:
+        if not hf.is_hf(args.init):
+            raise ValueError(f"node export --init takes hf:DIR, not {args.init!r}")
+        overrides["node.init_dir"] = args.init
+    config = resolve_config(args.config, os.environ, overrides)
+    config = with_tokenizer_vocab(with_init_model(config))
+    info = export_model(
+        status, config, args.out, timeout_s=args.timeout_s, format=args.format, dtype=args.dtype
+    )
     for src in info.sources:
         print(
             f"stage {src['stage']}: step {src['step']} from {src['peer_id'][:8]} at {src['address']}"
         )
+    what = "a Hugging Face Llama checkpoint, " + args.dtype if args.format == "hf" else "fp32"
     print(
         f"wrote {Path(args.out) / 'model.safetensors'} ({info.model.num_params():,} parameters, "
-        f"fingerprint {info.fingerprint}) and config.json"
+        f"fingerprint {info.fingerprint}; {what}) and config.json"
     )
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    model, info = load_export(args.model)
-    tokenizer = load_export_tokenizer(args.model, info)
+    model, tokenizer = load_model(args.model)
     text = generate(
         model,
         tokenizer,

@@ -59,7 +59,9 @@ class NodeConfig:
     """Directory for this node's identity and state; empty: a fresh identity each start."""
     init_dir: str = ""
     """A model written by ``node export``: a stage with no live replica starts from its slice
-    of that model instead of the seed's initial weights (``node join --init DIR``)."""
+    of that model instead of the seed's initial weights (``node join --init DIR``); or
+    ``hf:DIR``, a local Hugging Face Llama checkpoint, which also sets the model config and
+    the tokenizer (``node.stage.hf``)."""
     join_wait_s: float = 2.0
     """How long a joining node listens for peers before choosing a stage and fetching state."""
     drain_s: float = 3.0

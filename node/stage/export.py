@@ -1,6 +1,7 @@
 """A real model out of the swarm: export, load back, generate, and start a new swarm from it.
 
-Owns the exported-model format, a directory holding:
+Owns the exported-model format (with ``--format hf``, a Hugging Face Llama checkpoint instead,
+written by ``node.stage.hf``), a directory holding:
 
 - ``model.safetensors``: every parameter of the whole model under ``FullModel``'s names
   (``head.tok_embedding.weight``, ``blocks.{global index}.attn.wq.weight``, ...), fp32;
@@ -10,11 +11,12 @@ Owns the exported-model format, a directory holding:
 
 ``export_model`` (collect the current weights of every stage from live replicas, one per
 stage, the most advanced first, over the node's ``/rpc`` endpoint), ``load_export`` (a
-``FullModel`` for evaluation or generation with no swarm running), ``generate`` (temperature
-and top-k sampling), ``eval_loss``, and ``init_stage`` (a stage's slice of an export, loaded
-into a ``StageRunner`` on its compute thread, for ``node join --init DIR``). The stage slice
-is cut by global block index, so a model exported from ``N`` block stages can start a swarm
-with another ``N`` as long as the ``ModelConfig`` is the same.
+``FullModel`` for evaluation or generation with no swarm running; ``load_model`` reads either
+format), ``generate`` (temperature and top-k sampling, with a KV cache), ``eval_loss``, and
+``init_stage`` (a stage's slice of an export or of a Hugging Face checkpoint, loaded into a
+``StageRunner`` on its compute thread, for ``node join --init DIR`` / ``--init hf:DIR``). The
+stage slice is cut by global block index, so a model exported from ``N`` block stages can
+start a swarm with another ``N`` as long as the ``ModelConfig`` is the same.
 
 Does not own the model's maths (``node.stage.model``), the data (``node.data``) or the daemon.
 Exports are read with ``safetensors`` (no pickle, no ``torch.load``).
@@ -38,13 +40,16 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from node.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from node.stage import hf
 from node.stage.model import (
     Block,
     FullModel,
     HeadStage,
+    KVCache,
     ModelConfig,
     model_fingerprint,
     stage_blocks,
+    stage_shapes,
 )
 from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 from protocol.frames import join_frame
@@ -65,6 +70,8 @@ EXPORT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+FORMATS = ("murmuration", "hf")
+"""``node export --format``: our own layout (the default) or a Hugging Face Llama checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -92,17 +99,6 @@ def global_name(stage: int, first_block: int, local: str) -> str:
     prefix, index, rest = local.split(".", 2)
     assert prefix == "blocks", local
     return f"blocks.{first_block + int(index)}.{rest}"
-
-
-def _stage_shapes(cfg: ModelConfig, num_block_stages: int, stage: int) -> dict[str, torch.Size]:
-    """Parameter names and shapes of a stage, as its ``state_dict`` has them, without
-    allocating it (meta device)."""
-    blocks = stage_blocks(cfg, num_block_stages, stage)
-    with torch.device("meta"):
-        if stage == 0:
-            return {k: v.shape for k, v in HeadStage(cfg).state_dict().items()}
-        block = Block(cfg).state_dict()
-    return {f"blocks.{i}.{k}": v.shape for i in range(len(blocks)) for k, v in block.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,7 +162,7 @@ def collect_weights(
     tensors: dict[str, Tensor] = {}
     sources: list[dict[str, Any]] = []
     for stage in range(num_block_stages + 1):
-        expected = _stage_shapes(cfg, num_block_stages, stage)
+        expected = stage_shapes(cfg, num_block_stages, stage)
         errors: list[str] = []
         for peer in _candidates(status, stage):
             try:
@@ -216,25 +212,47 @@ def check_fingerprint(status: dict[str, Any], config: Config) -> None:
 
 
 def export_model(
-    status: dict[str, Any], config: Config, out_dir: str | Path, timeout_s: float = 60.0
+    status: dict[str, Any],
+    config: Config,
+    out_dir: str | Path,
+    timeout_s: float = 60.0,
+    *,
+    format: str = "murmuration",
+    dtype: str = "float32",
 ) -> ExportInfo:
-    """Collect the swarm's weights and write ``out_dir`` (created if missing)."""
+    """Collect the swarm's weights and write ``out_dir`` (created if missing) in ``format``
+    (``murmuration``, always fp32, or ``hf``, in ``dtype``: float32 or bfloat16)."""
+    if format not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, not {format!r}")
+    if format == "murmuration" and dtype != "float32":
+        raise ValueError("--dtype applies to --format hf only (our own format is fp32)")
+    if dtype not in hf.DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(hf.DTYPES)}, not {dtype!r}")
     check_fingerprint(status, config)
     tensors, sources = collect_weights(status, config, timeout_s)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = "bytes"
-    if config.data.tokenizer:
-        shutil.copyfile(config.data.tokenizer, out / TOKENIZER_FILE)
-        tokenizer = TOKENIZER_FILE
     info = ExportInfo(
         model=config.model,
         num_block_stages=config.swarm.num_block_stages,
         seed=config.swarm.seed,
         fingerprint=status["fingerprint"],
-        tokenizer=tokenizer,
+        tokenizer=TOKENIZER_FILE if config.data.tokenizer or format == "hf" else "bytes",
         sources=sources,
     )
+    if format == "hf":
+        provenance = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, **asdict(info)}
+        hf.write_checkpoint(
+            out,
+            config.model,
+            tensors,
+            tokenizer=config.data.tokenizer,
+            dtype=dtype,
+            provenance=provenance,
+        )
+        return info
+    if config.data.tokenizer:
+        shutil.copyfile(config.data.tokenizer, out / TOKENIZER_FILE)
     save_file(tensors, str(out / MODEL_FILE), metadata={"format": EXPORT_FORMAT})
     document = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, **asdict(info)}
     (out / CONFIG_FILE).write_text(json.dumps(document, indent=2) + "\n")
@@ -308,6 +326,23 @@ def load_export_tokenizer(model_dir: str | Path, info: ExportInfo) -> ByteTokeni
     return load_tokenizer(str(Path(model_dir) / info.tokenizer))
 
 
+def load_model(model_dir: str | Path) -> tuple[FullModel, ByteTokenizer | HFTokenizer]:
+    """The model and tokenizer of a directory written by ``node export`` in either format (a
+    Hugging Face Llama checkpoint is recognised by its ``config.json``'s ``model_type``)."""
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{model_dir} is not an exported model: no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    if isinstance(doc, dict) and "model_type" in doc:
+        model, ckpt = hf.load_checkpoint(model_dir)
+        return model, HFTokenizer(ckpt.tokenizer)
+    model, info = load_export(model_dir)
+    return model, load_export_tokenizer(model_dir, info)
+
+
 @torch.no_grad()
 def eval_loss(model: FullModel, batches: Sequence[tuple[Tensor, Tensor]]) -> float:
     """Mean of the per-batch mean cross-entropy, as a head node's evaluation computes it."""
@@ -325,11 +360,44 @@ def generate(
     temperature: float = 0.8,
     top_k: int = 40,
     seed: int = 0,
+    cache: bool = True,
 ) -> str:
-    """``max_tokens`` tokens sampled after ``prompt`` (decoded, without the prompt).
+    """``max_tokens`` tokens sampled after ``prompt`` (decoded, without the prompt); see
+    ``generate_ids``."""
+    ids = tokenizer.encode(prompt) if prompt else tokenizer.encode("\n\n")
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    out = generate_ids(
+        model,
+        ids,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        cache=cache,
+    )
+    return tokenizer.decode(out)
 
-    ``temperature`` 0 is greedy; ``top_k`` 0 samples from the whole vocabulary. The context
-    is the last ``max_seq_len`` tokens (no KV cache: each token recomputes the window).
+
+@torch.no_grad()
+def generate_ids(
+    model: FullModel,
+    ids: Sequence[int],
+    *,
+    max_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    cache: bool = True,
+) -> list[int]:
+    """``max_tokens`` token ids sampled after the prompt ``ids``.
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 samples from the whole vocabulary. The model
+    sees at most ``max_seq_len`` tokens: when the context would outgrow that, it restarts
+    from its last ``max_seq_len // 2`` tokens (at positions from 0 again). With ``cache``
+    (the default) each step computes only the new token against the keys and values kept
+    from the earlier ones, and a restart computes the kept half once; without, each step
+    recomputes the whole context. Both give the same tokens.
     """
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -337,15 +405,26 @@ def generate(
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
         raise ValueError(f"--top-k must be >= 0, got {top_k}")
-    ids = tokenizer.encode(prompt) if prompt else tokenizer.encode("\n\n")
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
+    limit = model.cfg.max_seq_len
+    keep = max(1, limit // 2)
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
-    context = torch.tensor(ids, dtype=torch.long)
+    tokens = list(ids)
+    start = max(0, len(tokens) - limit)  # the context is tokens[start:]
+    kv: KVCache | None = None
     for _ in range(max_tokens):
-        window = context[-model.cfg.max_seq_len :]
-        logits = model(window[None])[0, -1].float()
+        if len(tokens) - start > limit:
+            start = len(tokens) - keep
+            kv = None
+        if not cache:
+            logits = model(torch.tensor([tokens[start:]]))[0, -1].float()
+        else:
+            if kv is None:
+                kv = KVCache(model.cfg)
+            new = tokens[start + kv.length :]
+            logits = model(torch.tensor([new]), kv)[0, -1].float()
         if temperature == 0:
             token = int(logits.argmax())
         else:
@@ -355,46 +434,53 @@ def generate(
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
         out.append(token)
-        context = torch.cat([context, torch.tensor([token])])
-    return tokenizer.decode(out)
+        tokens.append(token)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
 # Start a swarm from an export
 
 
-def check_init_dir(init_dir: str, cfg: ModelConfig) -> ExportInfo:
-    """``ValueError`` unless ``init_dir`` is an export of a model with config ``cfg``."""
-    info = read_info(init_dir)
-    if info.model != cfg:
+def check_init_dir(init_dir: str, cfg: ModelConfig) -> ModelConfig:
+    """``ValueError`` unless ``init_dir`` is an export (or, ``hf:DIR``, a Hugging Face
+    checkpoint) of a model with config ``cfg``; returns the model config it holds."""
+    hf_init = hf.is_hf(init_dir)
+    theirs = hf.read_checkpoint(hf.hf_dir(init_dir)).model if hf_init else read_info(init_dir).model
+    if theirs != cfg:
         diffs = [
-            f"{f.name} {getattr(info.model, f.name)!r} (export) vs {getattr(cfg, f.name)!r}"
+            f"{f.name} {getattr(theirs, f.name)!r} ({'checkpoint' if hf_init else 'export'}) "
+            f"vs {getattr(cfg, f.name)!r}"
             for f in fields(ModelConfig)
-            if getattr(info.model, f.name) != getattr(cfg, f.name)
+            if getattr(theirs, f.name) != getattr(cfg, f.name)
         ]
         raise ValueError(
-            f"--init {init_dir}: the exported model differs from this node's model config: "
-            + ", ".join(diffs)
+            f"--init {init_dir}: the {'checkpoint' if hf_init else 'exported model'} differs "
+            "from this node's model config: " + ", ".join(diffs)
         )
-    return info
+    return theirs
 
 
 def stage_slice(
     init_dir: str, cfg: ModelConfig, num_block_stages: int, stage: int
 ) -> dict[str, Tensor]:
-    """Stage ``stage``'s parameters from an export, named as ``StageRunner.load`` expects
-    (``param.<local name>``)."""
+    """Stage ``stage``'s parameters from an export or an ``hf:DIR`` checkpoint, named as
+    ``StageRunner.load`` expects (``param.<local name>``)."""
     check_init_dir(init_dir, cfg)
+    if hf.is_hf(init_dir):
+        ckpt = hf.read_checkpoint(hf.hf_dir(init_dir))
+        return {f"param.{k}": v for k, v in hf.stage_tensors(ckpt, num_block_stages, stage).items()}
     first = stage_blocks(cfg, num_block_stages, stage).start
-    local = list(_stage_shapes(cfg, num_block_stages, stage))
+    local = list(stage_shapes(cfg, num_block_stages, stage))
     names = [global_name(stage, first, k) for k in local]
     tensors = _read_tensors(init_dir, names)
     return {f"param.{k}": tensors[g] for k, g in zip(local, names, strict=True)}
 
 
 def init_stage(runner: StageRunner, init_dir: str) -> None:
-    """Load this runner's stage from the export at ``init_dir`` (call on the compute thread):
-    weights from the export, a fresh optimizer, step 0 (so the warm-up runs again)."""
+    """Load this runner's stage from the export (or ``hf:DIR`` checkpoint) at ``init_dir``
+    (call on the compute thread): its weights, a fresh optimizer, step 0 (so the warm-up runs
+    again)."""
     c = runner.config
     tensors = stage_slice(init_dir, c.model, c.swarm.num_block_stages, runner.stage)
     runner.load(tensors, 0, 0)
