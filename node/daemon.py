@@ -97,6 +97,7 @@ class Node:
             clock=self.clock,
             self_record=self.record,
             rng=self.rng,
+            first_version=int(time.time() * 1000),  # above any version of an earlier life
         )
         self.counters: Counter[str] = Counter()
         self.discovery: ZeroconfDiscovery | None = None
@@ -114,7 +115,7 @@ class Node:
             rng=self.rng,
             table=self.table,
             router=self.router,
-            transport=IntroducingTransport(link, self.membership.contact, self.clock),
+            transport=IntroducingTransport(link, self.membership.introduce, self.clock),
             counters=self.counters,
             spawn=self.spawn,
         )

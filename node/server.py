@@ -6,8 +6,8 @@ Owns the aiohttp application and what happens to a request before a service work
   request's proof is checked before its body is read and its sender before it is
   dispatched (``protocol.auth``); the guard (``node.services.guard``) admits it (bans,
   unknown peers, rate limits, duplicates); then it goes to its handler: membership for
-  ``Hello`` and ``Leave``; the stage role's jobs, queued, for ``Forward`` and ``Backward``
-  (after their route and activations are checked); the runner for ``FetchState``; the sync
+  ``Hello``, ``Ping``, ``Probe`` and ``Leave``; the stage role's jobs, queued, for
+  ``Forward`` and ``Backward`` (after their route and activations are checked); the runner for ``FetchState``; the sync
   service for gossip and ring chunks; recovery for head backups and rollbacks; the
   reachability check for dial-backs and their probes.
 - A frame a relay brings for this node over its WebSocket (``node.net.relay``) is served the
@@ -78,6 +78,8 @@ from protocol.messages import (
     Hello,
     Leave,
     Message,
+    Ping,
+    Probe,
     RingChunk,
     Rollback,
     StageState,
@@ -210,6 +212,10 @@ class NodeServer:
         self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
         if isinstance(msg, Hello):
             return self.membership.handle_hello(msg, peer_host)
+        if isinstance(msg, Ping):
+            return self.membership.handle_ping(msg)
+        if isinstance(msg, Probe):
+            return await self.membership.handle_probe(msg)
         if isinstance(msg, Leave):
             self.membership.handle_leave(msg)
             self.ctx.router.forget(msg.peer_id)

@@ -64,6 +64,9 @@ from protocol.messages import (
     Hello,
     Leave,
     Message,
+    Ping,
+    Pong,
+    Probe,
     Rollback,
     Welcome,
 )
@@ -190,8 +193,10 @@ def claimed_sender(msg: Message) -> str | None:
         return msg.sender.peer_id
     if isinstance(msg, Leave):
         return msg.peer_id
-    if isinstance(msg, GossipRequest | HeadBackup | Rollback | DialBack):
+    if isinstance(msg, GossipRequest | HeadBackup | Rollback | DialBack | Ping | Probe):
         return msg.sender
+    if isinstance(msg, Pong):
+        return None if msg.sender is None else msg.sender.peer_id
     if isinstance(msg, Forward) and msg.path:
         return msg.path[-1].peer_id  # each hop appends itself before sending on
     if isinstance(msg, Backward) and 0 <= msg.index < len(msg.path):

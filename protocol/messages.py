@@ -57,8 +57,10 @@ class PeerRecord:
     ready: bool = False
     """True once the peer holds its stage's weights and accepts work."""
     leaving: bool = False
-    age_s: float = 0.0
-    """Seconds since the sender last heard from this peer directly (0 for the sender itself)."""
+    version: int = 0
+    """The peer's own count of the changes it published about itself: a record with a higher
+    version replaces a lower one, and a death notice applies up to its version
+    (``swarm.membership``); only the peer itself raises it."""
     grad_norm: float = 0.0
     """The stage's latest post-clip gradient norm (CheckFree needs it)."""
     loss: float | None = None
@@ -88,14 +90,27 @@ class Message:
 
 
 @dataclass(frozen=True)
+class Obituary:
+    """News that a peer is gone: it left (``left``) or a prober could not reach it, at
+    ``version`` (its record's version when it was found gone)."""
+
+    peer_id: str
+    version: int
+    left: bool = False
+
+
+@dataclass(frozen=True)
 class Hello(Message):
-    """Membership handshake and heartbeat: my record plus the peers I know (peer exchange)."""
+    """Membership handshake (a first contact, a bootstrap, a partition healing, or an
+    introduction to a member that has not heard of us yet): my record, the peers I know,
+    and whether I want the receiver's table in its ``Welcome`` (an introduction does not)."""
 
     TYPE: ClassVar[str] = "hello"
     swarm: str
     fingerprint: str
     sender: PeerRecord
     peers: list[PeerRecord]
+    want_table: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,14 +123,55 @@ class Welcome(Message):
     sender: PeerRecord
     peers: list[PeerRecord]
     observed_host: str
+    deaths: list[Obituary] = field(default_factory=list)
+    """The greeter's own obituary, if the receiver holds one: it answers with a higher
+    version (``swarm.membership``)."""
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    """Membership probe and push: are you there? plus the news the sender is spreading.
+
+    Only a member may send it (a stranger says ``Hello`` first): news enters a table only
+    from a ``Hello`` of the same swarm and model, or from a member that took it so.
+    """
+
+    TYPE: ClassVar[str] = "ping"
+    sender: str
+    news: list[PeerRecord] = field(default_factory=list)
+    deaths: list[Obituary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    """Reply to ``Ping`` and ``Probe``: alive (with the replier's own record; none from a
+    ``Probe``'s helper), and the replier's news."""
+
+    TYPE: ClassVar[str] = "pong"
+    sender: PeerRecord | None = None
+    news: list[PeerRecord] = field(default_factory=list)
+    deaths: list[Obituary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Probe(Message):
+    """Ask a member to ping ``target`` for us (an indirect probe: our own ping failed, maybe
+    only on our path). Answered with the target's ``Pong``, or an ``unreachable`` error."""
+
+    TYPE: ClassVar[str] = "probe"
+    sender: str
+    target: str
+    """The peer id to ping, which the helper must hold (it dials the address it knows)."""
 
 
 @dataclass(frozen=True)
 class Leave(Message):
-    """A peer announces it is shutting down; drop it from routing at once."""
+    """A peer announces it is shutting down; drop it from routing at once (and pass it on)."""
 
     TYPE: ClassVar[str] = "leave"
     peer_id: str
+    version: int = 0
+    """The leaver's record version (0: the one the receiver holds)."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +330,9 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
         Hello,
         Welcome,
         Leave,
+        Ping,
+        Pong,
+        Probe,
         Forward,
         Backward,
         Ack,

@@ -1,19 +1,39 @@
-"""Membership: bootstrap, heartbeats with peer exchange, and expiry of silent peers.
+"""Membership: bootstrap, failure detection by probes, and news spread by gossip.
 
-Owns the protocol that keeps every node's ``PeerTable`` converging on the whole swarm:
+Owns the protocol that keeps every node's ``PeerTable`` converging on the whole swarm, at a
+cost per node that does not grow with the swarm when it is quiet. After SWIM (Das, Gupta and
+Motivala 2002, "SWIM: Scalable Weakly-consistent Infection-style Process Group Membership
+Protocol"), ``docs/algorithms.md`` section 11:
 
-- Every ``heartbeat_s`` (jittered) a node sends ``Hello`` (its own record plus its table,
-  each entry stamped with its age) to up to ``fanout`` random live peers, and to every
-  bootstrap or LAN-sighted address that no live peer currently holds. The reply,
-  ``Welcome``, carries the other side's record and table. Both sides merge what they hear,
-  so one contact is enough to learn the whole swarm within a few rounds.
-- A peer heard of by no one for ``ttl_s`` expires; ``Leave`` removes one at once.
-- The address of a peer that expired (not one that left) is contacted again, with a
+- **Joining.** A node says ``Hello`` (its record and table) to every bootstrap or
+  LAN-sighted address that no member holds; the ``Welcome`` carries the other side's table.
+  One contact is enough to learn the whole swarm.
+- **News, not tables.** Every record carries a ``version`` only its peer raises; a node
+  publishes a new version when something that matters to others changed (stage, readiness,
+  address, relays, leaving...) and, for its changing figures (step, throughput, queue...), at
+  most every ``refresh_s`` - an interval set so that spreading everyone's figures fits
+  ``budget_bytes_per_s``. A node that learns something new (a higher version, a death)
+  pushes it at once to ``fanout`` random members (infect and die), and piggybacks it on
+  its next few pings and replies (``piggybacks``: about log10 of the swarm's size), so
+  news reaches every table in a few network round trips and a quiet swarm repeats nothing.
+- **Failure detection.** Every ``heartbeat_s`` (jittered) a node pings the next member of a
+  shuffled round-robin list (every member is pinged within one pass). A member that does
+  not answer is probed through ``indirect_probes`` others (a ``Probe``: maybe only our path
+  to it is broken) and pinged again every round; one that no probe reaches for ``ttl_s``
+  is buried and its ``Obituary`` spread. A member that hears its own obituary (a false
+  alarm) publishes a higher version, which outranks it. ``Leave`` buries at once.
+- The address of a peer that was buried (not one that left) is greeted again, with a
   backoff from ``ttl_s`` up to ``LOST_RETRY_MAX_S``, for ``LOST_FORGET_S``: after a network
-  partition heals, that is how the two sides find each other again when nothing else would
-  (a zeroconf sighting is reported once, and a bootstrap peer may be on the far side).
-- Only peers of the same swarm name and model fingerprint are admitted; others are refused
-  with code ``wrong_swarm`` and never enter the table.
+  partition heals, that is how the two sides find each other again when nothing else would.
+- Only peers of the same swarm name and model fingerprint are admitted (``Hello``); others
+  are refused with ``wrong_swarm``. News is taken only from members: a ``Ping`` from a
+  stranger is refused ``unknown_peer`` (it says hello first), a ``Probe`` may only name a
+  member (a helper dials the address it holds, never one it is given).
+
+Departure from SWIM: there is no separate "suspect" state spread to others; the prober that
+misses a member keeps probing it, directly and through others, for ``ttl_s`` before it
+declares it gone, which buys the same protection against a slow node or a lossy path
+without a third kind of news.
 
 ``IntroducingTransport`` applies one rule of this protocol to every other request: a peer
 that refuses us as ``unknown_peer`` (it has not heard of us yet; keyed swarms refuse
@@ -27,34 +47,64 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
-from protocol.messages import Hello, Leave, Message, PeerRecord, Welcome, expect
-from swarm.peers import PeerTable
+from protocol.messages import (
+    Hello,
+    Leave,
+    Message,
+    Obituary,
+    PeerRecord,
+    Ping,
+    Pong,
+    Probe,
+    Welcome,
+    expect,
+)
+from swarm.peers import NEW, PeerTable
 from swarm.seams import Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 LOST_RETRY_MAX_S = 30.0
-"""Longest wait between two contacts of an expired peer's address."""
+"""Longest wait between two contacts of a buried peer's address."""
 LOST_FORGET_S = 3600.0
-"""How long an expired peer's address is contacted again before it is forgotten."""
+"""How long a buried peer's address is greeted again before it is forgotten."""
+RECORD_BYTES = 250
+"""About what one record costs on the wire (msgpack with field names), for the budget."""
+MAX_NEWS = 64
+"""Most news items one message carries (a burst, such as a healed partition, takes turns)."""
+PUSH_DELAY_S = 0.02
+"""How long news waits before it is pushed on, so news arriving together travels together."""
+FIGURES = frozenset(
+    {"step", "throughput", "queue", "grad_norm", "loss", "step_s", "relay_slots", "version"}
+)
+"""Record fields that change all the time: republished every ``refresh_s``, not at once."""
 
 
 @dataclass(frozen=True)
 class MembershipConfig:
     heartbeat_s: float = 1.0
-    """Seconds between heartbeat rounds (each round is jittered by +-20 %)."""
+    """Seconds between probe rounds (each round is jittered by +-20 %)."""
     ttl_s: float = 8.0
-    """A peer nobody has heard from for this long is considered gone."""
+    """A member that no probe (direct or through others) reached for this long is gone."""
     fanout: int = 8
-    """Live peers contacted per heartbeat round (all of them in a small swarm)."""
+    """Members a node pushes each piece of news to when it first learns it."""
+    indirect_probes: int = 3
+    """Members asked to probe a member that did not answer our own ping."""
+    probe_timeout_s: float = 1.0
+    """Deadline of one ping (a probe through others gets twice as long, and a bit)."""
     request_timeout_s: float = 3.0
-    """Deadline of one Hello exchange."""
-    max_peers: int = 4096
-    """Most peers a table holds: news of more is ignored until some expire or leave."""
+    """Deadline of one hello or leave, and of a push of news."""
+    budget_bytes_per_s: float = 4000.0
+    """Membership traffic per node that spreading everyone's changing figures (step,
+    throughput...) may take, in and out together: it sets ``refresh_s`` from the swarm's size."""
+    max_peers: int = 16384
+    """Most peers a table holds: news of more is ignored until some are buried or leave."""
 
 
 class MembershipService:
@@ -71,6 +121,7 @@ class MembershipService:
         clock: Clock,
         self_record: Callable[[], PeerRecord],
         rng: random.Random,
+        first_version: int = 1,
     ) -> None:
         self.config = config
         self.swarm = swarm
@@ -82,63 +133,286 @@ class MembershipService:
         self.rng = rng
         self.bootstrap: list[str] = []
         self._sighted: set[str] = set()
-        self._lost: dict[str, _Lost] = {}  # addresses of expired peers, retried with backoff
+        self._lost: dict[str, _Lost] = {}  # addresses of buried peers, greeted with backoff
         self.observed_host: str | None = None
         self.num_rounds = 0
+        self.num_buried = 0
+        """Members this node found gone (no probe reached them for ``ttl_s``)."""
+        self._version = first_version
+        self._published: PeerRecord | None = None
+        self._published_s = -math.inf
+        self._news: dict[str, _News] = {}  # peer id -> the latest news about it to pass on
+        self._push: asyncio.Task[None] | None = None
+        self._order: list[str] = []  # this pass of the round-robin, next target last
+        self._missing: dict[str, float] = {}  # member -> when a probe first missed it
+        self._probing: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._leaving = False
+
+    # -- this node's record --------------------------------------------------------------
+
+    def own(self) -> PeerRecord:
+        """Our record as last published, at its version; a change that matters to others
+        (anything but the figures) is published at once."""
+        record = self.self_record()
+        if self._published is None or _essentials(record) != _essentials(self._published):
+            self._publish(record, self.clock.now())
+        assert self._published is not None
+        return self._published
+
+    def refresh_s(self) -> float:
+        """How often our changing figures are republished: everyone's figures, each sent
+        ``sends`` times by every node that takes it, in and out, within the budget."""
+        n = len(self.table) + 1
+        cost = n * self._sends(n) * RECORD_BYTES * 2
+        return max(self.config.heartbeat_s, cost / self.config.budget_bytes_per_s)
+
+    def _publish(self, record: PeerRecord, now: float) -> None:
+        if self._published is not None:
+            self._version += 1
+        self._published = replace(record, version=self._version)
+        self._published_s = now
+        self._tell(self._published)
+
+    def _refresh(self, now: float) -> None:
+        record = self.self_record()
+        published = self.own()
+        if now - self._published_s >= self.refresh_s() and record != replace(
+            published, version=record.version
+        ):
+            self._publish(record, now)
+
+    # -- news ------------------------------------------------------------------------------
+
+    def _sends(self, n: int) -> int:
+        """Times one node passes on one piece of news: a push to ``fanout`` members, then
+        piggybacked on about log10(n) pings and replies."""
+        return min(self.config.fanout, max(1, n - 1)) + self._piggybacks(n)
+
+    @staticmethod
+    def _piggybacks(n: int) -> int:
+        return max(1, math.ceil(math.log10(n + 1)))
+
+    def _tell(self, item: PeerRecord | Obituary) -> None:
+        """Pass ``item`` on: pushed soon to ``fanout`` members, then piggybacked."""
+        self._news[item.peer_id] = _News(item, self._piggybacks(len(self.table) + 1))
+        if self._push is None or self._push.done():
+            self._push = self._spawn(self._push_news())
+
+    def _piggyback(self) -> tuple[list[PeerRecord], list[Obituary]]:
+        """News for one more message: up to ``MAX_NEWS`` items, the least spread first."""
+        items = sorted(self._news.values(), key=lambda n: -n.piggy_left)[:MAX_NEWS]
+        for news in items:
+            news.piggy_left -= 1
+        self._drop_spent(items)
+        return _split(items)
+
+    def _drop_spent(self, items: list[_News]) -> None:
+        for news in items:
+            if news.pushed and news.piggy_left <= 0:
+                self._news.pop(news.item.peer_id, None)
+
+    async def _push_news(self) -> None:
+        """Push every item not pushed yet to ``fanout`` random members (``MAX_NEWS`` a
+        message)."""
+        await self.clock.sleep(PUSH_DELAY_S)
+        while True:
+            items = [n for n in self._news.values() if not n.pushed][:MAX_NEWS]
+            members = self.table.records()
+            if not items or not members:
+                return
+            for news in items:
+                news.pushed = True
+            self._drop_spent(items)
+            news_, deaths = _split(items)
+            msg = Ping(sender=self.table.self_id, news=news_, deaths=deaths)
+            targets = self.rng.sample(members, min(self.config.fanout, len(members)))
+            timeout_s = self.config.request_timeout_s
+            await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
+
+    def _take(self, news: list[PeerRecord], deaths: list[Obituary], via: str) -> None:
+        """Merge news from a member (or from a ``Welcome``) and pass on what was new."""
+        now = self.clock.now()
+        for record in news:
+            outcome = self.table.observe(record, now)
+            if outcome is None:
+                continue
+            if outcome == NEW:
+                log.info(
+                    "learned of peer %s: stage %d at %s via %s",
+                    record.peer_id[:8],
+                    record.stage,
+                    record.address,
+                    via[:8],
+                )
+            self._tell(record)
+        for death in deaths:
+            if death.peer_id == self.table.self_id:
+                if death.version >= self._version and not self._leaving:
+                    log.warning("reported gone by %s (false alarm): answering", via[:8])
+                    self._version = death.version
+                    self._publish(self.self_record(), now)
+                continue
+            held = self.table.get(death.peer_id)
+            if self.table.bury(death.peer_id, death.version, now):
+                if held is not None:
+                    log.info("peer %s %s", death.peer_id[:8], "left" if death.left else "gone")
+                    if not death.left:
+                        self._lose(held.address, now)
+                self._tell(death)
+
+    # -- rounds ----------------------------------------------------------------------------
 
     def add_bootstrap(self, addresses: list[str]) -> None:
-        """Addresses to keep contacting while no live peer answers from them."""
+        """Addresses to keep greeting while no member answers from them."""
         self.bootstrap.extend(a for a in addresses if a not in self.bootstrap)
 
     def add_address(self, address: str) -> None:
-        """An address seen on the LAN; contacted in the next round unless already known."""
+        """An address seen on the LAN; greeted in the next round unless already known."""
         if address != self.self_record().address:
             self._sighted.add(address)
 
     async def run(self) -> None:
-        """Heartbeat rounds until cancelled."""
-        while True:
-            await self.round()
-            jitter = 1.0 + 0.2 * (2 * self.rng.random() - 1)
-            await self.clock.sleep(self.config.heartbeat_s * jitter)
+        """Rounds until cancelled (a round's slow probes run on while the next one starts)."""
+        try:
+            while True:
+                self._spawn(self.round())
+                jitter = 1.0 + 0.2 * (2 * self.rng.random() - 1)
+                await self.clock.sleep(self.config.heartbeat_s * jitter)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
 
     async def round(self) -> None:
-        """One heartbeat round: expire, then exchange with a sample of peers and new addresses."""
+        """One round: republish if due, ping the next member and those that missed a ping,
+        greet bootstrap, sighted and due buried addresses."""
         now = self.clock.now()
-        addresses = {p.peer_id: p.address for p in self.table.records()}
-        for peer_id in self.table.expire(now):
-            log.info("peer %s expired (silent for %.0fs)", peer_id[:8], self.config.ttl_s)
-            wait_s = self.config.ttl_s
-            self._lost.setdefault(addresses[peer_id], _Lost(now, now + wait_s, wait_s))
-        peers = self.table.records()
-        sample = self.rng.sample(peers, min(self.config.fanout, len(peers)))
-        targets = {p.address for p in sample}
-        held = {p.address for p in peers} | {self.self_record().address}
-        targets |= {a for a in (*self.bootstrap, *self._sighted) if a not in held}
-        targets |= self._lost_due(now, held)
-        self._sighted -= targets
-        await asyncio.gather(*(self.contact(a) for a in sorted(targets)))
+        self.table.forget_graves(now)
+        self._refresh(now)
+        target = self._next_target()
+        missing = [p for p in self._missing if p in self.table]
+        self._missing = {p: self._missing[p] for p in missing}
+        probes = [self._probe_once(p) for p in dict.fromkeys([*missing, *target])]
+        held = {p.address for p in self.table.records()} | {self.self_record().address}
+        greet = {a for a in (*self.bootstrap, *self._sighted) if a not in held}
+        greet |= self._lost_due(now, held)
+        self._sighted -= greet
+        await asyncio.gather(*probes, *(self.contact(a) for a in sorted(greet)))
         self.num_rounds += 1
 
+    def _next_target(self) -> list[str]:
+        """The next member of a shuffled round-robin pass (SWIM section 4.3)."""
+        while self._order:
+            peer_id = self._order.pop()
+            if peer_id in self.table:
+                return [peer_id]
+        self._order = [p.peer_id for p in self.table.records()]
+        self.rng.shuffle(self._order)
+        return [self._order.pop()] if self._order else []
+
+    async def _probe_once(self, peer_id: str) -> None:
+        task = self._probing.get(peer_id)
+        if task is None or task.done():
+            task = self._probing[peer_id] = self._spawn(self._probe(peer_id))
+        await asyncio.shield(task)
+
+    async def _probe(self, peer_id: str) -> None:
+        """Ping a member, then through others; bury it once none reached it for ``ttl_s``."""
+        record = self.table.get(peer_id)
+        if record is None:
+            return
+        start = self.clock.now()
+        if await self._ping(record, Ping(self.table.self_id, *self._piggyback())):
+            self._missing.pop(peer_id, None)
+            return
+        if await self._probe_through_others(record):
+            self._missing.pop(peer_id, None)
+            return
+        since = self._missing.setdefault(peer_id, start)
+        now = self.clock.now()
+        if now - since < self.config.ttl_s or self.table.version(peer_id) != record.version:
+            return
+        self._missing.pop(peer_id, None)
+        if self.table.bury(peer_id, record.version, now):
+            self.num_buried += 1
+            log.info("peer %s gone: no probe reached it for %.0fs", peer_id[:8], now - since)
+            self._lose(record.address, now)
+            self._tell(Obituary(peer_id, record.version))
+
+    async def _probe_through_others(self, record: PeerRecord) -> bool:
+        others = [p for p in self.table.records() if p.peer_id != record.peer_id]
+        helpers = self.rng.sample(others, min(self.config.indirect_probes, len(others)))
+        probe = Probe(sender=self.table.self_id, target=record.peer_id)
+        timeout_s = 2 * self.config.probe_timeout_s + 0.5
+
+        async def through(helper: PeerRecord) -> bool:
+            try:
+                reply = await self._ask(helper, probe, timeout_s)
+                expect(reply, Pong)
+            except (TransportError, ValueError):
+                return False
+            return True
+
+        return any(await asyncio.gather(*(through(h) for h in helpers)))
+
+    async def _ping(self, record: PeerRecord, msg: Ping, timeout_s: float | None = None) -> bool:
+        """Ping a member; True if it answered (its news taken)."""
+        timeout_s = self.config.probe_timeout_s if timeout_s is None else timeout_s
+        try:
+            pong = expect(await self._ask(record, msg, timeout_s), Pong)
+        except (TransportError, ValueError) as e:
+            log.debug("ping to %s failed: %s", record.peer_id[:8], e)
+            return False
+        now = self.clock.now()
+        if pong.sender is not None and pong.sender.peer_id == record.peer_id:
+            self.table.observe(pong.sender, now, direct=True)
+        self.table.heard_from(record.peer_id, now)
+        self._take(pong.news, pong.deaths, record.peer_id)
+        return True
+
+    async def _ask(self, record: PeerRecord, msg: Message, timeout_s: float) -> Message:
+        """A request to a member; one that has not heard of us yet gets a hello first."""
+        try:
+            return await self.transport.request(record.address, msg, timeout_s, record.peer_id)
+        except TransportError as e:
+            if e.code != "unknown_peer" or not await self.contact(record.address, introduce=True):
+                raise
+        return await self.transport.request(record.address, msg, timeout_s, record.peer_id)
+
+    def _lose(self, address: str, now: float) -> None:
+        wait_s = self.config.ttl_s
+        self._lost.setdefault(address, _Lost(now, now + wait_s, wait_s))
+
     def _lost_due(self, now: float, held: set[str]) -> set[str]:
-        """Addresses of expired peers due for another try; each try doubles the next wait."""
-        due = set()
+        """Addresses of buried peers due for another hello (at most ``fanout`` a round);
+        each try doubles the next wait."""
+        due: set[str] = set()
         for address, lost in list(self._lost.items()):
             if address in held or now - lost.since_s > LOST_FORGET_S:
                 del self._lost[address]  # back in the table (or given up on)
-            elif now >= lost.next_s:
+            elif now >= lost.next_s and len(due) < self.config.fanout:
                 due.add(address)
                 lost.wait_s = min(2 * lost.wait_s, LOST_RETRY_MAX_S)
                 lost.next_s = now + lost.wait_s
         return due
 
-    async def contact(self, address: str) -> bool:
-        """Exchange tables with the node at ``address``; False if it did not answer."""
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- hello, ping, probe, leave ---------------------------------------------------------
+
+    async def contact(self, address: str, introduce: bool = False) -> bool:
+        """Greet the node at ``address`` (our record and table, theirs back; an
+        introduction sends neither table); False if it did not answer."""
         hello = Hello(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
-            sender=self.self_record(),
-            peers=self.table.for_exchange(self.clock.now()),
+            sender=self.own(),
+            peers=[] if introduce else self.table.records(),
+            want_table=not introduce,
         )
         try:
             reply = await self.transport.request(address, hello, self.config.request_timeout_s)
@@ -149,33 +423,90 @@ class MembershipService:
         if (welcome.swarm, welcome.fingerprint) != (self.swarm, self.fingerprint):
             return False
         self.observed_host = welcome.observed_host
-        self._merge(welcome.sender, welcome.peers, address)
+        self._take([], welcome.deaths, welcome.sender.peer_id)
+        self._greeted(welcome.sender, welcome.peers, welcome.sender.address)
         return True
 
+    async def introduce(self, address: str) -> bool:
+        """Make ourselves known to a member that refused us as ``unknown_peer``."""
+        return await self.contact(address, introduce=True)
+
     def handle_hello(self, hello: Hello, observed_host: str) -> Welcome:
-        """Answer a peer's heartbeat: merge its news and return ours."""
+        """Answer a greeting: take its news and return ours."""
         if hello.swarm != self.swarm or hello.fingerprint != self.fingerprint:
             raise Refused(
                 "wrong_swarm",
                 f"this node is in swarm {self.swarm!r} with model {self.fingerprint}; "
                 f"you are in {hello.swarm!r} with {hello.fingerprint}",
             )
-        self._merge(hello.sender, hello.peers, hello.sender.address)
+        deaths = self._obituary_of(hello.sender.peer_id)  # it answers with a higher version
+        self._greeted(hello.sender, hello.peers, hello.sender.address)
         return Welcome(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
-            sender=self.self_record(),
-            peers=self.table.for_exchange(self.clock.now()),
+            sender=self.own(),
+            peers=self.table.records() if hello.want_table else [],
             observed_host=observed_host,
+            deaths=deaths,
         )
 
+    def _greeted(self, sender: PeerRecord, peers: list[PeerRecord], address: str) -> None:
+        now = self.clock.now()
+        outcome = self.table.observe(sender, now, direct=True)
+        if outcome == NEW:
+            log.info("peer %s joined: stage %d at %s", sender.peer_id[:8], sender.stage, address)
+        if outcome is not None:
+            self._tell(self.table.get(sender.peer_id) or sender)
+        self._take(peers, [], sender.peer_id)
+
+    def _obituary_of(self, peer_id: str) -> list[Obituary]:
+        grave = self.table.grave(peer_id)
+        return [] if grave is None or peer_id in self.table else [Obituary(peer_id, grave)]
+
+    def handle_ping(self, ping: Ping) -> Pong:
+        """Answer a member's ping with our record and news; a buried sender is told so."""
+        if ping.sender not in self.table:
+            grave = self.table.grave(ping.sender)
+            own = [r.version for r in ping.news if r.peer_id == ping.sender]
+            if grave is not None and not (own and own[0] > grave):
+                return Pong(sender=self.own(), deaths=[Obituary(ping.sender, grave)])
+            if grave is None:
+                raise Refused(
+                    "unknown_peer",
+                    f"ping from peer {ping.sender[:16]}, which this node has not heard of "
+                    "(send hello first)",
+                    403,
+                )
+            # else a member we buried answers the false alarm with a higher version
+        self.table.heard_from(ping.sender, self.clock.now())
+        self._take(ping.news, ping.deaths, ping.sender)
+        news, deaths = self._piggyback()
+        return Pong(sender=self.own(), news=news, deaths=deaths)
+
+    async def handle_probe(self, probe: Probe) -> Pong:
+        """Ping a member for a member whose own ping did not reach it."""
+        if probe.sender not in self.table:
+            raise Refused("unknown_peer", f"probe from unknown peer {probe.sender[:16]}", 403)
+        record = self.table.get(probe.target)
+        if record is None:
+            raise Refused("unknown_target", f"this node holds no peer {probe.target[:16]}", 404)
+        if not await self._ping(record, Ping(self.table.self_id, *self._piggyback())):
+            raise Refused("unreachable", f"peer {probe.target[:16]} did not answer", 504)
+        return Pong()
+
     def handle_leave(self, leave: Leave) -> None:
-        if self.table.remove(leave.peer_id, self.clock.now()):
+        version = leave.version or self.table.version(leave.peer_id)
+        if version is not None and self.table.bury(leave.peer_id, version, self.clock.now()):
             log.info("peer %s left", leave.peer_id[:8])
+            self._tell(Obituary(leave.peer_id, version, left=True))
 
     async def leave_all(self, timeout_s: float) -> None:
-        """Tell every live peer we are leaving (best effort, concurrently, bounded time)."""
-        msg = Leave(peer_id=self.self_record().peer_id)
+        """Tell members we are leaving (best effort, bounded time): ``2 * fanout`` of them,
+        who pass it on."""
+        self._leaving = True
+        msg = Leave(peer_id=self.table.self_id, version=self.own().version)
+        members = self.table.records()
+        told = self.rng.sample(members, min(2 * self.config.fanout, len(members)))
 
         async def tell(address: str) -> None:
             try:
@@ -183,26 +514,36 @@ class MembershipService:
             except TransportError as e:
                 log.debug("leave to %s failed: %s", address, e)
 
-        await asyncio.gather(*(tell(p.address) for p in self.table.records()))
+        await asyncio.gather(*(tell(p.address) for p in told))
 
-    def _merge(self, sender: PeerRecord, peers: list[PeerRecord], address: str) -> None:
-        now = self.clock.now()
-        if self.table.observe(sender, now):
-            log.info("peer %s joined: stage %d at %s", sender.peer_id[:8], sender.stage, address)
-        for record in peers:
-            if self.table.observe(record, now, record.age_s, relayed=True):
-                log.info(
-                    "learned of peer %s: stage %d at %s via %s",
-                    record.peer_id[:8],
-                    record.stage,
-                    record.address,
-                    sender.peer_id[:8],
-                )
+
+def _essentials(record: PeerRecord) -> PeerRecord:
+    """``record`` with its changing figures zeroed: what must be published at once."""
+    return replace(record, **_ZEROED)
+
+
+_ZEROED: dict[str, Any] = {f.name: f.default for f in fields(PeerRecord) if f.name in FIGURES}
+
+
+@dataclass
+class _News:
+    """One piece of news this node passes on."""
+
+    item: PeerRecord | Obituary
+    piggy_left: int
+    """Pings and replies it still rides on."""
+    pushed: bool = False
+
+
+def _split(items: list[_News]) -> tuple[list[PeerRecord], list[Obituary]]:
+    records = [n.item for n in items if isinstance(n.item, PeerRecord)]
+    deaths = [n.item for n in items if isinstance(n.item, Obituary)]
+    return records, deaths
 
 
 @dataclass
 class _Lost:
-    """An expired peer's address: when it was lost, and when to try it next."""
+    """A buried peer's address: when it was lost, and when to try it next."""
 
     since_s: float
     next_s: float

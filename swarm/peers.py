@@ -1,12 +1,18 @@
-"""The peer table: who is in the swarm, at which stage, and how recently we heard of them.
+"""The peer table: who is in the swarm, at which stage, at which version of their record.
 
-Pure data structure with explicit ``now`` arguments (no clock, no I/O). Liveness is gossiped:
-a relayed record carries its age, so information only ever comes from a peer's own
-heartbeats and cannot be kept alive by relaying alone; a peer silent for ``ttl_s`` expires
-everywhere. A peer that said goodbye leaves a tombstone so that stale relays do not
-resurrect it. A relay cannot move a peer we hear from directly: while its own heartbeats
-are fresh, the address and traffic relays they came with stand (a member passing on a false
-address or relay for another peer's id cannot draw that peer's work).
+Pure data structure with explicit ``now`` arguments (no clock, no I/O). A record is a peer's
+own statement about itself at a ``version`` that only the peer raises: a higher version
+replaces a lower one whoever relays it, a lower or equal one changes nothing, so news never
+goes backwards and a quiet swarm has nothing to repeat. A peer found gone (``bury``: it left,
+or probes could not reach it) leaves a tombstone at that version for ``grave_s``, so older
+records still travelling do not bring it back; only the peer itself, publishing a higher
+version (it answers a false report of its death, or it restarted), returns. A relay cannot
+move a peer we hear from directly: while its own messages are fresh (``ttl_s``), the address
+and relays they came with stand (a member passing on a false address or relay for another
+peer's id cannot draw that peer's work).
+
+Liveness is not decided here: ``swarm.membership`` probes peers and buries the ones that no
+probe reaches.
 """
 
 from __future__ import annotations
@@ -16,87 +22,118 @@ from dataclasses import dataclass, replace
 
 from protocol.messages import PeerRecord
 
+NEW = "new"
+"""``observe`` result: a peer we did not hold."""
+NEWER = "newer"
+"""``observe`` result: a higher version of a peer we held."""
+
 
 @dataclass
 class _Entry:
     record: PeerRecord
-    last_seen: float
+    updated_s: float
+    """When the record's current version reached us."""
     direct_s: float | None = None
-    """When the peer itself last told us about itself (None: only relays so far)."""
+    """When the peer itself last spoke to us (None: only relays so far)."""
 
 
 class PeerTable:
     """Known peers other than ourselves, keyed by peer id."""
 
-    def __init__(self, self_id: str, ttl_s: float, max_peers: int = 4096) -> None:
+    def __init__(
+        self, self_id: str, ttl_s: float, max_peers: int = 16384, grave_s: float | None = None
+    ) -> None:
         self.self_id = self_id
         self.ttl_s = ttl_s
         self.max_peers = max_peers
+        self.grave_s = max(4 * ttl_s, 30.0) if grave_s is None else grave_s
+        """How long a tombstone outlives the peer (longer than any news takes to spread)."""
         self.num_refused_full = 0
         """New peers ignored because the table was full (a flood of made-up records)."""
         self._entries: dict[str, _Entry] = {}
-        self._left: dict[str, float] = {}
+        self._graves: dict[str, tuple[int, float]] = {}  # peer id -> (version, buried at)
 
-    def observe(
-        self, record: PeerRecord, now: float, age_s: float = 0.0, *, relayed: bool = False
-    ) -> bool:
-        """Take a record heard ``age_s`` seconds ago, from the peer itself or ``relayed`` by
-        another; returns True if the peer is new to us.
+    def observe(self, record: PeerRecord, now: float, *, direct: bool = False) -> str | None:
+        """Take a record, from the peer itself (``direct``) or relayed by another: ``NEW``
+        for a peer we did not hold, ``NEWER`` for a higher version, None if it told us
+        nothing (ours, older, buried, leaving, or the table is full).
 
-        A peer on its way out (``leaving``) is never added, only marked, and no new peer is
-        added to a table that holds ``max_peers`` already. A peer that said
-        goodbye comes back only by contacting us itself, not leaving, after the goodbye: a
-        relay may carry news from just before the goodbye, dated late by its transit time.
+        A peer on its way out (``leaving``) is never added, only marked.
         """
         if record.peer_id == self.self_id:
-            return False
-        seen = now - max(0.0, age_s)
-        if now - seen > self.ttl_s:
-            return False
-        left = self._left.get(record.peer_id)
-        if left is not None and (relayed or record.leaving or seen <= left):
-            return False
+            return None
         entry = self._entries.get(record.peer_id)
         if entry is None:
-            if record.leaving:
-                return False
+            grave = self._graves.get(record.peer_id)
+            buried = grave is not None and record.version <= grave[0]
+            if record.leaving or (buried and not direct):
+                return None
             if len(self._entries) >= self.max_peers:
                 self.num_refused_full += 1
-                return False
-            self._entries[record.peer_id] = _Entry(record, seen, None if relayed else seen)
-            return True
-        if not relayed:
-            entry.direct_s = seen
-        elif (
-            entry.direct_s is not None
+                return None
+            self._graves.pop(record.peer_id, None)
+            self._entries[record.peer_id] = _Entry(record, now, now if direct else None)
+            return NEW
+        if direct:
+            entry.direct_s = now
+        if record.version <= entry.record.version:
+            return None
+        if (
+            not direct
+            and entry.direct_s is not None
             and now - entry.direct_s <= self.ttl_s
             and (record.address, record.relays) != (entry.record.address, entry.record.relays)
         ):
             record = replace(record, address=entry.record.address, relays=entry.record.relays)
-        if seen >= entry.last_seen:
-            entry.record, entry.last_seen = record, seen
-        return False
+        entry.record, entry.updated_s = record, now
+        return NEWER
 
-    def remove(self, peer_id: str, now: float) -> bool:
-        """Forget a peer that left; relayed news older than ``now`` will not bring it back."""
-        self._left[peer_id] = now
-        return self._entries.pop(peer_id, None) is not None
+    def heard_from(self, peer_id: str, now: float) -> None:
+        """The peer itself spoke to us (it answered a probe, or sent us something)."""
+        entry = self._entries.get(peer_id)
+        if entry is not None:
+            entry.direct_s = now
 
-    def expire(self, now: float) -> list[str]:
-        """Drop peers silent for longer than ``ttl_s``; returns their ids."""
-        dead = [pid for pid, e in self._entries.items() if now - e.last_seen > self.ttl_s]
-        for pid in dead:
-            del self._entries[pid]
-        self._left = {pid: t for pid, t in self._left.items() if now - t <= self.ttl_s}
-        return dead
+    def bury(self, peer_id: str, version: int, now: float) -> bool:
+        """The peer is gone as of ``version``; True if that is news to us (we held it at
+        that version or lower, or had no tombstone that high). A record of a higher version
+        than the notice means the peer has spoken since: the notice is stale."""
+        if peer_id == self.self_id:
+            return False
+        entry = self._entries.get(peer_id)
+        if entry is not None and entry.record.version > version:
+            return False
+        grave = self._graves.get(peer_id)
+        if entry is None and grave is not None and grave[0] >= version:
+            return False
+        self._entries.pop(peer_id, None)
+        self._graves[peer_id] = (version, now)
+        return True
+
+    def forget_graves(self, now: float) -> None:
+        """Drop tombstones older than ``grave_s``."""
+        self._graves = {p: g for p, g in self._graves.items() if now - g[1] <= self.grave_s}
+
+    def grave(self, peer_id: str) -> int | None:
+        """The version a peer was buried at, while its tombstone stands."""
+        grave = self._graves.get(peer_id)
+        return None if grave is None else grave[0]
 
     def get(self, peer_id: str) -> PeerRecord | None:
         entry = self._entries.get(peer_id)
         return entry.record if entry else None
 
-    def age_s(self, peer_id: str, now: float) -> float | None:
+    def version(self, peer_id: str) -> int | None:
         entry = self._entries.get(peer_id)
-        return None if entry is None else now - entry.last_seen
+        return None if entry is None else entry.record.version
+
+    def age_s(self, peer_id: str, now: float) -> float | None:
+        """Seconds since the peer's current record reached us, or since it last spoke to
+        us directly, whichever is later."""
+        entry = self._entries.get(peer_id)
+        if entry is None:
+            return None
+        return now - max(entry.updated_s, entry.direct_s or entry.updated_s)
 
     def records(self) -> list[PeerRecord]:
         return [e.record for e in self._entries.values()]
@@ -116,10 +153,6 @@ class PeerTable:
             if stage in counts:
                 counts[stage] += 1
         return counts
-
-    def for_exchange(self, now: float) -> list[PeerRecord]:
-        """Our table as relayable records, each stamped with its age."""
-        return [replace(e.record, age_s=now - e.last_seen) for e in self._entries.values()]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -41,7 +41,10 @@ from protocol.messages import (
     Hop,
     Leave,
     Message,
+    Obituary,
     PeerRecord,
+    Ping,
+    Probe,
     RingChunk,
     Rollback,
     decode_message,
@@ -298,7 +301,7 @@ _records = st.builds(
     _stages,
     step=_int64,
     ready=st.booleans(),
-    age_s=st.floats(),
+    version=_int64,
 )
 _messages = st.one_of(
     _with_tensors(  # what a head sends into stage 1, with fuzzed ids and activations
@@ -344,7 +347,14 @@ _messages = st.one_of(
         sender=_records,
         peers=st.lists(_records, max_size=3),
     ),
-    st.builds(Leave, peer_id=st.text(max_size=20)),
+    st.builds(Leave, peer_id=st.text(max_size=20), version=_int64),
+    st.builds(
+        Ping,
+        sender=_peer_ids,
+        news=st.lists(_records, max_size=3),
+        deaths=st.lists(st.builds(Obituary, _peer_ids, _int64, st.booleans()), max_size=3),
+    ),
+    st.builds(Probe, sender=_peer_ids, target=_peer_ids),
     st.builds(FetchState, stage=_stages),
     st.builds(HeadBackup, step=_int64),
     st.builds(Rollback, stage=_stages, step=_int64),

@@ -1,82 +1,41 @@
-"""Membership on an in-memory network with a fake clock: exchange, expiry, leave, swarm filter."""
+"""Membership on the simulated network in virtual time (``swarm.simnet``): joining, news,
+probes and burials, leaving, false alarms, partitions, the swarm filter, and what it costs."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 
-from protocol.messages import Ack, Hello, Leave, Message, PeerRecord
+from protocol.messages import Hello, Obituary, PeerRecord, Ping, Probe
 from swarm.membership import (
     LOST_FORGET_S,
     LOST_RETRY_MAX_S,
+    RECORD_BYTES,
     MembershipConfig,
     MembershipService,
 )
 from swarm.peers import PeerTable
-from swarm.seams import Refused, TransportError
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        self.t += seconds
-
-
-class FakeNet:
-    """Addresses map to services; an address not present, or on another side, is unreachable."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, MembershipService] = {}
-        self.side: dict[str, int] = {}  # a partition: addresses on different sides (default 0)
-
-    def transport(self, source: str) -> FakeTransport:
-        return FakeTransport(self, source)
-
-
-class FakeTransport:
-    def __init__(self, net: FakeNet, source: str) -> None:
-        self.net, self.source = net, source
-
-    async def request(
-        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
-    ) -> Message:
-        target = self.net.nodes.get(address)
-        side = self.net.side
-        if (
-            target is None
-            or self.source not in self.net.nodes
-            or side.get(self.source, 0) != side.get(address, 0)
-        ):
-            raise TransportError("unreachable", address)
-        try:
-            if isinstance(msg, Hello):
-                return target.handle_hello(msg, self.source.split(":")[0])
-            if isinstance(msg, Leave):
-                target.handle_leave(msg)
-                return Ack()
-        except Refused as e:
-            raise TransportError(e.code, e.message) from None
-        raise AssertionError(msg)
+from swarm.seams import Refused
+from swarm.simnet import SimClock, SimNet
 
 
 def make(
-    net: FakeNet, clock: FakeClock, i: int, swarm: str = "s", fp: str = "f"
+    net: SimNet, i: int, swarm: str = "s", fp: str = "f", stage: int | None = None
 ) -> MembershipService:
     address = f"10.0.0.{i}:7070"
-    record = PeerRecord(peer_id=f"p{i}", address=address, stage=i % 3, ready=True)
+    record = PeerRecord(
+        peer_id=f"p{i}", address=address, stage=i % 3 if stage is None else stage, ready=True
+    )
     svc = MembershipService(
         MembershipConfig(ttl_s=5.0, fanout=3),
         swarm=swarm,
         fingerprint=fp,
         table=PeerTable(record.peer_id, 5.0),
         transport=net.transport(address),
-        clock=clock,
+        clock=net.clock,
         self_record=lambda: record,
         rng=random.Random(i),
     )
@@ -84,112 +43,225 @@ def make(
     return svc
 
 
-async def rounds(nodes: list[MembershipService], clock: FakeClock, n: int) -> None:
-    for _ in range(n):
-        for node in nodes:
-            await node.round()
-        clock.t += 1.0
+class Swarm:
+    """Services running their heartbeats on a simulated network, in virtual time."""
+
+    def __init__(self, latency_s: float = 0.01) -> None:
+        self.clock = SimClock()
+        self.net = SimNet(self.clock, latency_s)
+        self.running: dict[str, asyncio.Task[None]] = {}
+
+    def add(self, i: int, **kwargs: object) -> MembershipService:
+        svc = make(self.net, i, **kwargs)  # type: ignore[arg-type]
+        self.running[svc.self_record().address] = asyncio.ensure_future(svc.run())
+        return svc
+
+    def kill(self, svc: MembershipService) -> None:
+        address = svc.self_record().address
+        self.running.pop(address).cancel()
+        del self.net.nodes[address]
+
+    async def run_for(self, seconds: float) -> None:
+        await self.clock.run_until(self.clock.t + seconds)
+
+    async def close(self) -> None:
+        for task in self.running.values():
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+
+async def joined(n: int, **kwargs: object) -> tuple[Swarm, list[MembershipService]]:
+    sw = Swarm(**kwargs)  # type: ignore[arg-type]
+    nodes = [sw.add(i) for i in range(n)]
+    for node in nodes[1:]:
+        node.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(4.0)
+    return sw, nodes
 
 
 async def test_one_contact_is_enough_to_learn_the_whole_swarm() -> None:
-    net, clock = FakeNet(), FakeClock()
-    nodes = [make(net, clock, i) for i in range(8)]
-    for node in nodes[1:]:
-        node.add_bootstrap(["10.0.0.0:7070"])
-    await rounds(nodes, clock, 4)
+    sw, nodes = await joined(8)
     for node in nodes:
         assert len(node.table) == 7, node.self_record().peer_id
+    await sw.close()
 
 
-async def test_silent_peer_expires_everywhere() -> None:
-    net, clock = FakeNet(), FakeClock()
-    nodes = [make(net, clock, i) for i in range(5)]
-    for node in nodes[1:]:
-        node.add_bootstrap(["10.0.0.0:7070"])
-    await rounds(nodes, clock, 3)
-    del net.nodes["10.0.0.4:7070"]  # crashes without a word
-    await rounds(nodes[:4], clock, 8)
-    for node in nodes[:4]:
-        assert "p4" not in node.table
-        assert len(node.table) == 3
+async def test_a_crashed_peer_is_buried_everywhere_within_ttl_and_five_seconds() -> None:
+    sw, nodes = await joined(6)
+    for node in nodes:
+        node.config = replace(node.config, ttl_s=8.0)  # the default, which the target is for
+    sw.kill(nodes[5])  # without a word
+    start = sw.clock.t
+    while any("p5" in n.table for n in nodes[:5]):
+        await sw.run_for(0.1)
+        assert sw.clock.t - start < 8.0 + 5.0, "still in a table"
+    assert sw.clock.t - start > 8.0  # not before a prober missed it for ttl_s
+    assert sum(n.num_buried for n in nodes[:5]) >= 1
+    await sw.run_for(5.0)
+    assert all(len(n.table) == 4 for n in nodes[:5])
+    await sw.close()
+
+
+async def test_a_slow_path_is_not_a_death_when_others_reach_the_peer() -> None:
+    sw, nodes = await joined(5)
+    a, b = nodes[0], nodes[4]
+    real = sw.net.reachable
+    sw.net.reachable = lambda src, dst: (
+        real(src, dst)
+        and {src, dst}
+        != {  # type: ignore[method-assign]
+            a.self_record().address,
+            b.self_record().address,
+        }
+    )
+    await sw.run_for(30.0)
+    assert "p4" in a.table and "p0" in b.table and a.num_buried == 0
+    await sw.close()
 
 
 async def test_leave_removes_at_once_and_stays_removed() -> None:
-    net, clock = FakeNet(), FakeClock()
-    nodes = [make(net, clock, i) for i in range(4)]
-    for node in nodes[1:]:
-        node.add_bootstrap(["10.0.0.0:7070"])
-    await rounds(nodes, clock, 3)
-    await nodes[3].leave_all(timeout_s=1.0)
-    del net.nodes["10.0.0.3:7070"]
+    sw, nodes = await joined(4)
+    leaving = asyncio.ensure_future(nodes[3].leave_all(timeout_s=1.0))
+    await sw.run_for(0.5)
+    await leaving
+    sw.kill(nodes[3])
     for node in nodes[:3]:
         assert "p3" not in node.table
-    await rounds(nodes[:3], clock, 2)
+    await sw.run_for(20.0)
     for node in nodes[:3]:
         assert "p3" not in node.table
+    await sw.close()
+
+
+async def test_news_of_a_change_reaches_every_table_in_a_second() -> None:
+    sw, nodes = await joined(12)
+    mover = nodes[7]
+    record = mover.self_record()
+    mover.self_record = lambda: replace(record, stage=9)  # type: ignore[method-assign]
+    await sw.run_for(1.0)  # the next round publishes it, the push spreads it at once
+    for node in nodes:
+        if node is not mover:
+            assert node.table.get("p7").stage == 9  # type: ignore[union-attr]
+    await sw.close()
+
+
+async def test_a_false_alarm_is_answered_and_the_peer_returns_everywhere() -> None:
+    sw, nodes = await joined(6)
+    victim = nodes[2]
+    version = victim.own().version
+    ping = Ping(sender="p0", deaths=[Obituary("p2", version)])
+    nodes[1].handle_ping(ping)  # a member says p2 is gone
+    await sw.run_for(0.2)
+    assert any("p2" not in n.table for n in nodes if n is not victim)
+    await sw.run_for(3.0)
+    assert victim.own().version > version
+    assert all("p2" in n.table for n in nodes if n is not victim)
+    await sw.close()
+
+
+async def test_strangers_pings_and_probes_of_non_members_are_refused() -> None:
+    sw, nodes = await joined(3)
+    with pytest.raises(Refused) as info:
+        nodes[0].handle_ping(Ping(sender="stranger", news=[PeerRecord("x", "1.2.3.4:1", 1)]))
+    assert info.value.code == "unknown_peer" and "x" not in nodes[0].table
+    with pytest.raises(Refused) as info:
+        await nodes[0].handle_probe(Probe(sender="p1", target="somebody-else"))
+    assert info.value.code == "unknown_target"
+    await sw.close()
 
 
 async def test_other_swarm_or_model_is_refused() -> None:
-    net, clock = FakeNet(), FakeClock()
-    a = make(net, clock, 0)
-    b = make(net, clock, 1, swarm="other")
-    c = make(net, clock, 2, fp="different-model")
+    sw = Swarm()
+    a = sw.add(0)
+    b = sw.add(1, swarm="other")
+    c = sw.add(2, fp="different-model")
     b.add_bootstrap(["10.0.0.0:7070"])
     c.add_bootstrap(["10.0.0.0:7070"])
-    await rounds([a, b, c], clock, 3)
+    await sw.run_for(3.0)
     assert len(a.table) == 0 and len(b.table) == 0 and len(c.table) == 0
     with pytest.raises(Refused) as info:
         a.handle_hello(
             Hello(swarm="other", fingerprint="f", sender=b.self_record(), peers=[]), "10.0.0.1"
         )
     assert info.value.code == "wrong_swarm"
+    await sw.close()
 
 
 async def test_unreachable_bootstrap_is_retried_until_it_appears() -> None:
-    net, clock = FakeNet(), FakeClock()
-    b = make(net, clock, 1)
+    sw = Swarm()
+    b = sw.add(1)
     b.add_bootstrap(["10.0.0.0:7070"])
-    await rounds([b], clock, 2)
+    await sw.run_for(10.0)
     assert len(b.table) == 0
-    a = make(net, clock, 0)
-    await rounds([a, b], clock, 1)
+    a = sw.add(0)
+    await sw.run_for(2.0)
     assert "p0" in b.table and "p1" in a.table
+    await sw.close()
 
 
 async def test_the_two_sides_of_a_healed_partition_find_each_other_again() -> None:
     # Discovery by sightings alone (zeroconf reports a peer once): after the partition each
-    # side has expired the other, and only the retried addresses of expired peers reconnect.
-    net, clock = FakeNet(), FakeClock()
-    nodes = [make(net, clock, i) for i in range(6)]
+    # side has buried the other, and only the retried addresses of buried peers reconnect.
+    sw = Swarm()
+    nodes = [sw.add(i) for i in range(6)]
     for node in nodes[1:]:
         node.add_address("10.0.0.0:7070")
-    await rounds(nodes, clock, 4)
+    await sw.run_for(4.0)
     assert all(len(node.table) == 5 for node in nodes)
-    net.side = {f"10.0.0.{i}:7070": 1 for i in (3, 4, 5)}
-    await rounds(nodes, clock, 40)
+    sw.net.side = {f"10.0.0.{i}:7070": 1 for i in (3, 4, 5)}
+    await sw.run_for(40.0)
     assert all(len(node.table) == 2 for node in nodes)
-    net.side = {}
-    await rounds(nodes, clock, int(LOST_RETRY_MAX_S) + 3)
+    sw.net.side = {}
+    await sw.run_for(LOST_RETRY_MAX_S + 10)
     assert all(len(node.table) == 5 for node in nodes)
+    await sw.close()
 
 
-async def test_an_expired_peer_is_retried_with_backoff_then_forgotten() -> None:
-    net, clock = FakeNet(), FakeClock()
-    a, b = make(net, clock, 0), make(net, clock, 1)
+async def test_a_buried_peer_is_greeted_with_backoff_then_forgotten() -> None:
+    sw = Swarm()
+    a, b = sw.add(0), sw.add(1)
     b.add_bootstrap(["10.0.0.0:7070"])
-    await rounds([a, b], clock, 2)
-    del net.nodes["10.0.0.1:7070"]  # b dies for good
+    await sw.run_for(2.0)
     tries: list[float] = []
     contact = a.contact
 
-    async def counting(address: str) -> bool:
-        tries.append(clock.t)
-        return await contact(address)
+    async def counting(address: str, introduce: bool = False) -> bool:
+        tries.append(sw.clock.t)
+        return await contact(address, introduce)
 
     a.contact = counting  # type: ignore[method-assign]
-    await rounds([a], clock, int(LOST_FORGET_S) + 100)
+    sw.kill(b)  # b dies for good
+    await sw.run_for(LOST_FORGET_S + 100)
+    # ttl_s = 5 after the first miss, then 10, 20, 30, 30...: each at the first round due
     waits = [t2 - t1 for t1, t2 in zip(tries, tries[1:], strict=False)]
-    retries = waits[waits.index(6.0) :]  # heartbeats each second, then expiry after ttl_s = 5
-    assert retries[:4] == [6.0, 10.0, 20.0, 30.0] and set(retries[4:]) == {30.0}, retries[:6]
-    lost_for = tries[-1] - tries[len(waits) - len(retries)]
-    assert LOST_FORGET_S - 30 <= lost_for <= LOST_FORGET_S, lost_for
+    expected = [10.0, 20.0] + [30.0] * (len(waits) - 2)
+    assert all(e <= w <= e + 1.3 for w, e in zip(waits, expected, strict=True)), waits[:6]
+    lost_for = tries[-1] - tries[0]
+    assert LOST_FORGET_S - 2 * 30 <= lost_for <= LOST_FORGET_S, lost_for
+    await sw.close()
+
+
+def test_refresh_interval_fits_everyones_figures_into_the_budget() -> None:
+    # n = 1000 members and us, fanout 8, ceil(log10(1002)) = 4 piggybacks: each record
+    # crosses a node 12 times, in and out: 1001 * 12 * 250 * 2 / 4000 B/s = 1501.5 s.
+    net = SimNet(SimClock())
+    svc = make(net, 0)
+    svc.config = MembershipConfig(fanout=8, budget_bytes_per_s=4000.0)
+    for i in range(1, 1001):
+        svc.table.observe(PeerRecord(f"q{i}", f"10.1.{i // 250}.{i % 250}:1", 1), 0.0)
+    assert svc.refresh_s() == pytest.approx(1001 * 12 * RECORD_BYTES * 2 / 4000.0)
+    small = make(net, 1)  # alone: republished every heartbeat
+    assert small.refresh_s() == 1.0
+
+
+async def test_a_quiet_swarm_costs_the_same_per_node_at_any_size() -> None:
+    per_node = {}
+    for n in (8, 48):
+        sw, nodes = await joined(n)
+        await sw.run_for(20.0)  # settle: joins spread
+        before = sum(sw.net.sent.values())
+        await sw.run_for(30.0)
+        per_node[n] = (sum(sw.net.sent.values()) - before) / n / 30.0
+        await sw.close()
+    assert per_node[48] < 1.5 * per_node[8], per_node
+    assert per_node[48] < 2000, per_node  # a ping and its pong a second, and rare refreshes

@@ -85,8 +85,12 @@ def test_relay_messages_round_trip_and_malformed_ones_are_refused() -> None:
         unpack(pack_request(1, "h", None, b"x" * 10_000), 1000)
 
 
-def record(peer_id: str, address: str, relays: list[str] | None = None) -> PeerRecord:
-    return PeerRecord(peer_id=peer_id, address=address, stage=1, relays=relays or [])
+def record(
+    peer_id: str, address: str, relays: list[str] | None = None, version: int = 1
+) -> PeerRecord:
+    return PeerRecord(
+        peer_id=peer_id, address=address, stage=1, relays=relays or [], version=version
+    )
 
 
 def hub(capacity: int = 8) -> RelayHub:
@@ -158,11 +162,12 @@ def test_a_relay_checks_that_a_request_is_meant_for_the_node_it_passes_it_to() -
 
 def test_nobody_but_the_peer_changes_its_relays_while_it_is_heard_directly() -> None:
     table = PeerTable("me", ttl_s=10.0)
-    table.observe(record("b", "192.168.1.2:7070", ["1.1.1.1:7070"]), now=0.0)
+    table.observe(record("b", "192.168.1.2:7070", ["1.1.1.1:7070"]), now=0.0, direct=True)
     # a member passes on a record of b naming itself as b's relay: not taken
-    table.observe(record("b", "192.168.1.2:7070", ["6.6.6.6:666"]), now=1.0, relayed=True)
+    table.observe(record("b", "192.168.1.2:7070", ["6.6.6.6:666"], version=2), now=1.0)
     assert table.get("b").relays == ["1.1.1.1:7070"]  # type: ignore[union-attr]
-    table.observe(record("b", "192.168.1.2:7070", ["2.2.2.2:7070"]), now=2.0)  # b moved
+    b_moved = record("b", "192.168.1.2:7070", ["2.2.2.2:7070"], version=3)
+    table.observe(b_moved, now=2.0, direct=True)
     assert table.get("b").relays == ["2.2.2.2:7070"]  # type: ignore[union-attr]
 
 
