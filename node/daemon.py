@@ -97,7 +97,7 @@ class Node:
             clock=self.clock,
             self_record=self.record,
             rng=self.rng,
-            first_version=int(time.time() * 1000),  # above any version of an earlier life
+            first_incarnation=int(time.time() * 1000),  # above any of an earlier life's
         )
         self.counters: Counter[str] = Counter()
         self.discovery: ZeroconfDiscovery | None = None

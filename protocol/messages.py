@@ -57,10 +57,12 @@ class PeerRecord:
     ready: bool = False
     """True once the peer holds its stage's weights and accepts work."""
     leaving: bool = False
+    incarnation: int = 0
+    """Raised only by the peer itself, when it answers a report of its death or restarts: a
+    death notice buries every record of its incarnation or below (``swarm.membership``)."""
     version: int = 0
-    """The peer's own count of the changes it published about itself: a record with a higher
-    version replaces a lower one, and a death notice applies up to its version
-    (``swarm.membership``); only the peer itself raises it."""
+    """The peer's own count of the changes it published about itself: of two records of one
+    incarnation, the higher version is the newer."""
     grad_norm: float = 0.0
     """The stage's latest post-clip gradient norm (CheckFree needs it)."""
     loss: float | None = None
@@ -91,11 +93,11 @@ class Message:
 
 @dataclass(frozen=True)
 class Obituary:
-    """News that a peer is gone: it left (``left``) or a prober could not reach it, at
-    ``version`` (its record's version when it was found gone)."""
+    """News that a peer is gone: it left (``left``) or a prober could not reach it, in
+    ``incarnation`` (its record's when it was found gone)."""
 
     peer_id: str
-    version: int
+    incarnation: int
     left: bool = False
 
 
@@ -170,8 +172,8 @@ class Leave(Message):
 
     TYPE: ClassVar[str] = "leave"
     peer_id: str
-    version: int = 0
-    """The leaver's record version (0: the one the receiver holds)."""
+    incarnation: int = 0
+    """The leaver's incarnation (0: the one the receiver holds)."""
 
 
 @dataclass(frozen=True)

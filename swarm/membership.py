@@ -7,12 +7,13 @@ Protocol"), ``docs/algorithms.md`` section 11:
 
 - **Joining.** A node says ``Hello`` (its record and table) to every bootstrap or
   LAN-sighted address that no member holds; the ``Welcome`` carries the other side's table.
-  One contact is enough to learn the whole swarm.
+  One contact is enough to learn the whole swarm; the greeted node spreads the join (the
+  tables exchanged are merged, not spread again).
 - **News, not tables.** Every record carries a ``version`` only its peer raises; a node
-  publishes a new version when something that matters to others changed (stage, readiness,
+  publishes a new one when something that matters to others changed (stage, readiness,
   address, relays, leaving...) and, for its changing figures (step, throughput, queue...), at
   most every ``refresh_s`` - an interval set so that spreading everyone's figures fits
-  ``budget_bytes_per_s``. A node that learns something new (a higher version, a death)
+  ``budget_bytes_per_s``. A node that learns something new (a newer record, a death)
   pushes it at once to ``fanout`` random members (infect and die), and piggybacks it on
   its next few pings and replies (``piggybacks``: about log10 of the swarm's size), so
   news reaches every table in a few network round trips and a quiet swarm repeats nothing.
@@ -21,7 +22,9 @@ Protocol"), ``docs/algorithms.md`` section 11:
   not answer is probed through ``indirect_probes`` others (a ``Probe``: maybe only our path
   to it is broken) and pinged again every round; one that no probe reaches for ``ttl_s``
   is buried and its ``Obituary`` spread. A member that hears its own obituary (a false
-  alarm) publishes a higher version, which outranks it. ``Leave`` buries at once.
+  alarm) publishes a higher ``incarnation`` (SWIM's), which outranks it: an obituary buries
+  every record of its incarnation or below, so a prober that held an older version of a
+  dead peer's record still buries the newer ones others hold. ``Leave`` buries at once.
 - The address of a peer that was buried (not one that left) is greeted again, with a
   backoff from ``ttl_s`` up to ``LOST_RETRY_MAX_S``, for ``LOST_FORGET_S``: after a network
   partition heals, that is how the two sides find each other again when nothing else would.
@@ -81,7 +84,17 @@ MAX_NEWS = 64
 PUSH_DELAY_S = 0.02
 """How long news waits before it is pushed on, so news arriving together travels together."""
 FIGURES = frozenset(
-    {"step", "throughput", "queue", "grad_norm", "loss", "step_s", "relay_slots", "version"}
+    {
+        "step",
+        "throughput",
+        "queue",
+        "grad_norm",
+        "loss",
+        "step_s",
+        "relay_slots",
+        "incarnation",
+        "version",
+    }
 )
 """Record fields that change all the time: republished every ``refresh_s``, not at once."""
 
@@ -121,7 +134,7 @@ class MembershipService:
         clock: Clock,
         self_record: Callable[[], PeerRecord],
         rng: random.Random,
-        first_version: int = 1,
+        first_incarnation: int = 1,
     ) -> None:
         self.config = config
         self.swarm = swarm
@@ -138,7 +151,8 @@ class MembershipService:
         self.num_rounds = 0
         self.num_buried = 0
         """Members this node found gone (no probe reached them for ``ttl_s``)."""
-        self._version = first_version
+        self._incarnation = first_incarnation
+        self._version = 0
         self._published: PeerRecord | None = None
         self._published_s = -math.inf
         self._news: dict[str, _News] = {}  # peer id -> the latest news about it to pass on
@@ -152,13 +166,20 @@ class MembershipService:
     # -- this node's record --------------------------------------------------------------
 
     def own(self) -> PeerRecord:
-        """Our record as last published, at its version; a change that matters to others
+        """Our record as last published; a change that matters to others
         (anything but the figures) is published at once."""
         record = self.self_record()
         if self._published is None or _essentials(record) != _essentials(self._published):
             self._publish(record, self.clock.now())
         assert self._published is not None
         return self._published
+
+    def current(self) -> PeerRecord:
+        """Our record with its figures of the moment, as the published one otherwise: what
+        we tell a peer directly (it takes figures from us at any time, news only when the
+        record is newer)."""
+        own = self.own()
+        return replace(self.self_record(), incarnation=own.incarnation, version=own.version)
 
     def refresh_s(self) -> float:
         """How often our changing figures are republished: everyone's figures, each sent
@@ -168,9 +189,8 @@ class MembershipService:
         return max(self.config.heartbeat_s, cost / self.config.budget_bytes_per_s)
 
     def _publish(self, record: PeerRecord, now: float) -> None:
-        if self._published is not None:
-            self._version += 1
-        self._published = replace(record, version=self._version)
+        self._version += 1
+        self._published = replace(record, incarnation=self._incarnation, version=self._version)
         self._published_s = now
         self._tell(self._published)
 
@@ -178,7 +198,7 @@ class MembershipService:
         record = self.self_record()
         published = self.own()
         if now - self._published_s >= self.refresh_s() and record != replace(
-            published, version=record.version
+            published, incarnation=record.incarnation, version=record.version
         ):
             self._publish(record, now)
 
@@ -230,12 +250,17 @@ class MembershipService:
             timeout_s = self.config.request_timeout_s
             await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
 
-    def _take(self, news: list[PeerRecord], deaths: list[Obituary], via: str) -> None:
-        """Merge news from a member (or from a ``Welcome``) and pass on what was new."""
+    def _take(
+        self, news: list[PeerRecord], deaths: list[Obituary], via: str, spread: bool = True
+    ) -> None:
+        """Merge news from a member and pass on what was new (what a greeting brings is
+        merged, not passed on: a newcomer would repeat the whole swarm)."""
         now = self.clock.now()
         for record in news:
             outcome = self.table.observe(record, now)
-            if outcome is None:
+            if outcome is None or not spread:
+                if outcome == NEW:
+                    log.debug("learned of peer %s from %s's table", record.peer_id[:8], via[:8])
                 continue
             if outcome == NEW:
                 log.info(
@@ -248,18 +273,19 @@ class MembershipService:
             self._tell(record)
         for death in deaths:
             if death.peer_id == self.table.self_id:
-                if death.version >= self._version and not self._leaving:
+                if death.incarnation >= self._incarnation and not self._leaving:
                     log.warning("reported gone by %s (false alarm): answering", via[:8])
-                    self._version = death.version
+                    self._incarnation = death.incarnation + 1
                     self._publish(self.self_record(), now)
                 continue
             held = self.table.get(death.peer_id)
-            if self.table.bury(death.peer_id, death.version, now):
+            if self.table.bury(death.peer_id, death.incarnation, now):
                 if held is not None:
                     log.info("peer %s %s", death.peer_id[:8], "left" if death.left else "gone")
                     if not death.left:
                         self._lose(held.address, now)
-                self._tell(death)
+                if spread:
+                    self._tell(death)
 
     # -- rounds ----------------------------------------------------------------------------
 
@@ -330,14 +356,14 @@ class MembershipService:
             return
         since = self._missing.setdefault(peer_id, start)
         now = self.clock.now()
-        if now - since < self.config.ttl_s or self.table.version(peer_id) != record.version:
+        if now - since < self.config.ttl_s or self.table.incarnation(peer_id) != record.incarnation:
             return
         self._missing.pop(peer_id, None)
-        if self.table.bury(peer_id, record.version, now):
+        if self.table.bury(peer_id, record.incarnation, now):
             self.num_buried += 1
             log.info("peer %s gone: no probe reached it for %.0fs", peer_id[:8], now - since)
             self._lose(record.address, now)
-            self._tell(Obituary(peer_id, record.version))
+            self._tell(Obituary(peer_id, record.incarnation))
 
     async def _probe_through_others(self, record: PeerRecord) -> bool:
         others = [p for p in self.table.records() if p.peer_id != record.peer_id]
@@ -410,7 +436,7 @@ class MembershipService:
         hello = Hello(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
-            sender=self.own(),
+            sender=self.current(),
             peers=[] if introduce else self.table.records(),
             want_table=not introduce,
         )
@@ -423,7 +449,7 @@ class MembershipService:
         if (welcome.swarm, welcome.fingerprint) != (self.swarm, self.fingerprint):
             return False
         self.observed_host = welcome.observed_host
-        self._take([], welcome.deaths, welcome.sender.peer_id)
+        self._take([], welcome.deaths, welcome.sender.peer_id, spread=False)
         self._greeted(welcome.sender, welcome.peers, welcome.sender.address)
         return True
 
@@ -439,12 +465,12 @@ class MembershipService:
                 f"this node is in swarm {self.swarm!r} with model {self.fingerprint}; "
                 f"you are in {hello.swarm!r} with {hello.fingerprint}",
             )
-        deaths = self._obituary_of(hello.sender.peer_id)  # it answers with a higher version
+        deaths = self._obituaries(hello.sender.peer_id)
         self._greeted(hello.sender, hello.peers, hello.sender.address)
         return Welcome(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
-            sender=self.own(),
+            sender=self.current(),
             peers=self.table.records() if hello.want_table else [],
             observed_host=observed_host,
             deaths=deaths,
@@ -457,19 +483,23 @@ class MembershipService:
             log.info("peer %s joined: stage %d at %s", sender.peer_id[:8], sender.stage, address)
         if outcome is not None:
             self._tell(self.table.get(sender.peer_id) or sender)
-        self._take(peers, [], sender.peer_id)
+        self._take(peers, [], sender.peer_id, spread=False)
 
-    def _obituary_of(self, peer_id: str) -> list[Obituary]:
-        grave = self.table.grave(peer_id)
-        return [] if grave is None or peer_id in self.table else [Obituary(peer_id, grave)]
+    def _obituaries(self, greeter: str) -> list[Obituary]:
+        """The deaths a greeter should know: every standing tombstone (its table may hold a
+        peer buried before it arrived), its own included (it answers that)."""
+        graves = self.table.graves()
+        if greeter in self.table:
+            graves.pop(greeter, None)
+        return [Obituary(peer_id, incarnation) for peer_id, incarnation in graves.items()]
 
     def handle_ping(self, ping: Ping) -> Pong:
         """Answer a member's ping with our record and news; a buried sender is told so."""
         if ping.sender not in self.table:
             grave = self.table.grave(ping.sender)
-            own = [r.version for r in ping.news if r.peer_id == ping.sender]
+            own = [r.incarnation for r in ping.news if r.peer_id == ping.sender]
             if grave is not None and not (own and own[0] > grave):
-                return Pong(sender=self.own(), deaths=[Obituary(ping.sender, grave)])
+                return Pong(sender=self.current(), deaths=[Obituary(ping.sender, grave)])
             if grave is None:
                 raise Refused(
                     "unknown_peer",
@@ -477,11 +507,11 @@ class MembershipService:
                     "(send hello first)",
                     403,
                 )
-            # else a member we buried answers the false alarm with a higher version
+            # else a member we buried answers the false alarm with a higher incarnation
         self.table.heard_from(ping.sender, self.clock.now())
         self._take(ping.news, ping.deaths, ping.sender)
         news, deaths = self._piggyback()
-        return Pong(sender=self.own(), news=news, deaths=deaths)
+        return Pong(sender=self.current(), news=news, deaths=deaths)
 
     async def handle_probe(self, probe: Probe) -> Pong:
         """Ping a member for a member whose own ping did not reach it."""
@@ -495,16 +525,17 @@ class MembershipService:
         return Pong()
 
     def handle_leave(self, leave: Leave) -> None:
-        version = leave.version or self.table.version(leave.peer_id)
-        if version is not None and self.table.bury(leave.peer_id, version, self.clock.now()):
+        incarnation = leave.incarnation or self.table.incarnation(leave.peer_id)
+        now = self.clock.now()
+        if incarnation is not None and self.table.bury(leave.peer_id, incarnation, now):
             log.info("peer %s left", leave.peer_id[:8])
-            self._tell(Obituary(leave.peer_id, version, left=True))
+            self._tell(Obituary(leave.peer_id, incarnation, left=True))
 
     async def leave_all(self, timeout_s: float) -> None:
         """Tell members we are leaving (best effort, bounded time): ``2 * fanout`` of them,
         who pass it on."""
         self._leaving = True
-        msg = Leave(peer_id=self.table.self_id, version=self.own().version)
+        msg = Leave(peer_id=self.table.self_id, incarnation=self._incarnation)
         members = self.table.records()
         told = self.rng.sample(members, min(2 * self.config.fanout, len(members)))
 

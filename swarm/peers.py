@@ -1,15 +1,17 @@
-"""The peer table: who is in the swarm, at which stage, at which version of their record.
+"""The peer table: who is in the swarm, at which stage, in which state of their record.
 
 Pure data structure with explicit ``now`` arguments (no clock, no I/O). A record is a peer's
-own statement about itself at a ``version`` that only the peer raises: a higher version
-replaces a lower one whoever relays it, a lower or equal one changes nothing, so news never
-goes backwards and a quiet swarm has nothing to repeat. A peer found gone (``bury``: it left,
-or probes could not reach it) leaves a tombstone at that version for ``grave_s``, so older
-records still travelling do not bring it back; only the peer itself, publishing a higher
-version (it answers a false report of its death, or it restarted), returns. A relay cannot
-move a peer we hear from directly: while its own messages are fresh (``ttl_s``), the address
-and relays they came with stand (a member passing on a false address or relay for another
-peer's id cannot draw that peer's work).
+own statement about itself, ordered by ``(incarnation, version)``, both raised only by the
+peer: a newer record replaces an older one whoever relays it, an older or equal one changes
+nothing, so news never goes backwards and a quiet swarm has nothing to repeat. A peer found
+gone (``bury``: it left, or probes could not reach it) leaves a tombstone at its incarnation
+for ``grave_s``: every record of that incarnation or below, however recent its version, is
+refused, so news still travelling does not bring it back; only the peer itself returns, by
+speaking to us or by publishing a higher incarnation (it answers a false report of its
+death, or it restarted). A peer that speaks to us directly is taken at its word for its
+figures of the moment. A relay cannot move a peer we hear from directly: while its own
+messages are fresh (``ttl_s``), the address and relays they came with stand (a member
+passing on a false address or relay for another peer's id cannot draw that peer's work).
 
 Liveness is not decided here: ``swarm.membership`` probes peers and buries the ones that no
 probe reaches.
@@ -25,14 +27,14 @@ from protocol.messages import PeerRecord
 NEW = "new"
 """``observe`` result: a peer we did not hold."""
 NEWER = "newer"
-"""``observe`` result: a higher version of a peer we held."""
+"""``observe`` result: a newer record of a peer we held."""
 
 
 @dataclass
 class _Entry:
     record: PeerRecord
     updated_s: float
-    """When the record's current version reached us."""
+    """When the record we hold reached us."""
     direct_s: float | None = None
     """When the peer itself last spoke to us (None: only relays so far)."""
 
@@ -51,11 +53,11 @@ class PeerTable:
         self.num_refused_full = 0
         """New peers ignored because the table was full (a flood of made-up records)."""
         self._entries: dict[str, _Entry] = {}
-        self._graves: dict[str, tuple[int, float]] = {}  # peer id -> (version, buried at)
+        self._graves: dict[str, tuple[int, float]] = {}  # peer id -> (incarnation, buried at)
 
     def observe(self, record: PeerRecord, now: float, *, direct: bool = False) -> str | None:
         """Take a record, from the peer itself (``direct``) or relayed by another: ``NEW``
-        for a peer we did not hold, ``NEWER`` for a higher version, None if it told us
+        for a peer we did not hold, ``NEWER`` for a newer record, None if it told us
         nothing (ours, older, buried, leaving, or the table is full).
 
         A peer on its way out (``leaving``) is never added, only marked.
@@ -65,7 +67,7 @@ class PeerTable:
         entry = self._entries.get(record.peer_id)
         if entry is None:
             grave = self._graves.get(record.peer_id)
-            buried = grave is not None and record.version <= grave[0]
+            buried = grave is not None and record.incarnation <= grave[0]
             if record.leaving or (buried and not direct):
                 return None
             if len(self._entries) >= self.max_peers:
@@ -76,7 +78,10 @@ class PeerTable:
             return NEW
         if direct:
             entry.direct_s = now
-        if record.version <= entry.record.version:
+            if _key(record) == _key(entry.record):
+                entry.record = record  # its figures of the moment, from itself: not news
+                return None
+        if _key(record) <= _key(entry.record):
             return None
         if (
             not direct
@@ -94,20 +99,20 @@ class PeerTable:
         if entry is not None:
             entry.direct_s = now
 
-    def bury(self, peer_id: str, version: int, now: float) -> bool:
-        """The peer is gone as of ``version``; True if that is news to us (we held it at
-        that version or lower, or had no tombstone that high). A record of a higher version
-        than the notice means the peer has spoken since: the notice is stale."""
+    def bury(self, peer_id: str, incarnation: int, now: float) -> bool:
+        """The peer is gone as of ``incarnation``; True if that is news to us (we held it in
+        that incarnation or below, or had no tombstone that high). A record of a higher
+        incarnation means the peer has answered since: the notice is stale."""
         if peer_id == self.self_id:
             return False
         entry = self._entries.get(peer_id)
-        if entry is not None and entry.record.version > version:
+        if entry is not None and entry.record.incarnation > incarnation:
             return False
         grave = self._graves.get(peer_id)
-        if entry is None and grave is not None and grave[0] >= version:
+        if entry is None and grave is not None and grave[0] >= incarnation:
             return False
         self._entries.pop(peer_id, None)
-        self._graves[peer_id] = (version, now)
+        self._graves[peer_id] = (incarnation, now)
         return True
 
     def forget_graves(self, now: float) -> None:
@@ -115,7 +120,7 @@ class PeerTable:
         self._graves = {p: g for p, g in self._graves.items() if now - g[1] <= self.grave_s}
 
     def grave(self, peer_id: str) -> int | None:
-        """The version a peer was buried at, while its tombstone stands."""
+        """The incarnation a peer was buried in, while its tombstone stands."""
         grave = self._graves.get(peer_id)
         return None if grave is None else grave[0]
 
@@ -123,9 +128,13 @@ class PeerTable:
         entry = self._entries.get(peer_id)
         return entry.record if entry else None
 
-    def version(self, peer_id: str) -> int | None:
+    def graves(self) -> dict[str, int]:
+        """Every standing tombstone: peer id -> incarnation."""
+        return {p: g[0] for p, g in self._graves.items()}
+
+    def incarnation(self, peer_id: str) -> int | None:
         entry = self._entries.get(peer_id)
-        return None if entry is None else entry.record.version
+        return None if entry is None else entry.record.incarnation
 
     def age_s(self, peer_id: str, now: float) -> float | None:
         """Seconds since the peer's current record reached us, or since it last spoke to
@@ -159,3 +168,7 @@ class PeerTable:
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._entries
+
+
+def _key(record: PeerRecord) -> tuple[int, int]:
+    return record.incarnation, record.version

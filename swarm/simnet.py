@@ -92,6 +92,8 @@ class SimNet:
         self.sent: Counter[str] = Counter()
         self.received: Counter[str] = Counter()
         self.by_type: Counter[str] = Counter()
+        self.overhead: Counter[str] = Counter()
+        """Of ``sent`` and ``received``, what HTTP adds (the rest is frames)."""
 
     def transport(self, source: str) -> SimTransport:
         return SimTransport(self, source)
@@ -105,9 +107,14 @@ class SimNet:
         )
 
     def count(self, source: str, target: str, msg: Message) -> None:
-        size = nbytes(msg) + HTTP_OVERHEAD_BYTES // 2
+        """One message from ``source`` to ``target``: its frame and half an exchange's
+        HTTP overhead, for both."""
+        half = HTTP_OVERHEAD_BYTES // 2
+        size = nbytes(msg) + half
         self.sent[source] += size
         self.received[target] += size
+        self.overhead[source] += half
+        self.overhead[target] += half
         self.by_type[msg.TYPE] += size
 
 

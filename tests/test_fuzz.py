@@ -301,6 +301,7 @@ _records = st.builds(
     _stages,
     step=_int64,
     ready=st.booleans(),
+    incarnation=_int64,
     version=_int64,
 )
 _messages = st.one_of(
@@ -347,7 +348,7 @@ _messages = st.one_of(
         sender=_records,
         peers=st.lists(_records, max_size=3),
     ),
-    st.builds(Leave, peer_id=st.text(max_size=20), version=_int64),
+    st.builds(Leave, peer_id=st.text(max_size=20), incarnation=_int64),
     st.builds(
         Ping,
         sender=_peer_ids,

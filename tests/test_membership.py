@@ -148,13 +148,13 @@ async def test_news_of_a_change_reaches_every_table_in_a_second() -> None:
 async def test_a_false_alarm_is_answered_and_the_peer_returns_everywhere() -> None:
     sw, nodes = await joined(6)
     victim = nodes[2]
-    version = victim.own().version
-    ping = Ping(sender="p0", deaths=[Obituary("p2", version)])
+    incarnation = victim.own().incarnation
+    ping = Ping(sender="p0", deaths=[Obituary("p2", incarnation)])
     nodes[1].handle_ping(ping)  # a member says p2 is gone
     await sw.run_for(0.2)
     assert any("p2" not in n.table for n in nodes if n is not victim)
     await sw.run_for(3.0)
-    assert victim.own().version > version
+    assert victim.own().incarnation > incarnation
     assert all("p2" in n.table for n in nodes if n is not victim)
     await sw.close()
 

@@ -50,7 +50,7 @@ def test_every_message_type_round_trips() -> None:
     msgs = [
         Hello(swarm="s", fingerprint="f", sender=rec, peers=[rec]),
         Welcome(swarm="s", fingerprint="f", sender=rec, peers=[], observed_host="9.9.9.9"),
-        Leave(peer_id="ab", version=3),
+        Leave(peer_id="ab", incarnation=3),
         Ping(sender="ab", news=[rec], deaths=[Obituary("cd", 4, left=True)]),
         Pong(sender=rec, news=[], deaths=[Obituary("cd", 4)]),
         Pong(),

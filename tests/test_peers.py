@@ -4,12 +4,15 @@ from protocol.messages import PeerRecord
 from swarm.peers import NEW, NEWER, PeerTable
 
 
-def rec(pid: str, stage: int = 1, ready: bool = True, version: int = 1, **kw: object) -> PeerRecord:
+def rec(
+    pid: str, stage: int = 1, ready: bool = True, version: int = 1, inc: int = 1, **kw: object
+) -> PeerRecord:
     return PeerRecord(
         peer_id=pid,
         address=f"10.0.0.1:{7000 + len(pid)}",
         stage=stage,
         ready=ready,
+        incarnation=inc,
         version=version,
         **kw,  # type: ignore[arg-type]
     )
@@ -22,25 +25,35 @@ def test_observe_new_newer_and_ignores_self_and_older() -> None:
     assert t.observe(rec("a", step=2), 1.0) is None  # same version: nothing new
     assert t.observe(rec("a", version=3, step=5), 2.0) == NEWER
     assert t.observe(rec("a", version=2, step=9), 3.0) is None  # news never goes backwards
-    assert t.get("a").step == 5 and t.version("a") == 3  # type: ignore[union-attr]
+    assert t.get("a").step == 5 and t.incarnation("a") == 1  # type: ignore[union-attr]
     assert t.age_s("a", 4.0) == 2.0
+    # a higher incarnation outranks any version of a lower one
+    assert t.observe(rec("a", inc=2, version=1, step=11), 5.0) == NEWER
+    assert t.observe(rec("a", inc=1, version=99), 6.0) is None
 
 
-def test_a_tombstone_stops_older_records_until_the_peer_speaks_or_publishes_higher() -> None:
+def test_a_tombstone_stops_its_incarnation_until_the_peer_speaks_or_answers() -> None:
     t = PeerTable("me", ttl_s=10, grave_s=30)
-    t.observe(rec("a", version=4), 0.0)
+    t.observe(rec("a", inc=4, version=2), 0.0)
     assert t.bury("a", 4, 1.0) is True and "a" not in t and t.grave("a") == 4
     assert t.bury("a", 4, 1.5) is False  # not news twice
-    assert t.observe(rec("a", version=4), 2.0) is None  # relayed, as old as the grave
-    assert t.observe(rec("a", version=5), 3.0) == NEW  # it published since
+    assert t.observe(rec("a", inc=4, version=9), 2.0) is None  # relayed, same incarnation
+    assert t.observe(rec("a", inc=5), 3.0) == NEW  # it answered the report of its death
     t.bury("a", 5, 4.0)
-    assert t.observe(rec("a", version=5), 5.0, direct=True) == NEW  # it spoke to us itself
+    assert t.observe(rec("a", inc=5), 5.0, direct=True) == NEW  # it spoke to us itself
+    # from itself, figures of the moment in the same record: taken, but not news
+    assert t.observe(rec("a", inc=5, step=42), 6.0, direct=True) is None
+    assert t.get("a").step == 42  # type: ignore[union-attr]
+    assert t.observe(rec("a", inc=5, step=43), 7.0) is None
+    assert t.get("a").step == 42  # type: ignore[union-attr]
 
 
-def test_a_stale_obituary_does_not_bury_a_newer_record() -> None:
+def test_an_obituary_buries_newer_versions_but_not_a_newer_incarnation() -> None:
     t = PeerTable("me", ttl_s=10)
-    t.observe(rec("a", version=7), 0.0)
-    assert t.bury("a", 6, 1.0) is False and "a" in t
+    t.observe(rec("a", inc=3, version=7), 0.0)
+    assert t.bury("a", 3, 1.0) is True  # the prober held version 5: still this incarnation
+    t.observe(rec("b", inc=4), 0.0)
+    assert t.bury("b", 3, 1.0) is False and "b" in t  # b answered since
 
 
 def test_graves_are_forgotten_after_grave_s() -> None:
@@ -89,13 +102,13 @@ def test_a_relay_cannot_move_a_peer_we_hear_from_directly() -> None:
     t = PeerTable("me", ttl_s=10)
     t.observe(rec("a"), now=0.0, direct=True)  # a itself, at its real address
     real = t.get("a").address  # type: ignore[union-attr]
-    fake = PeerRecord(peer_id="a", address="6.6.6.6:1", stage=1, ready=True, step=9, version=2)
+    fake = PeerRecord("a", "6.6.6.6:1", 1, ready=True, step=9, incarnation=1, version=2)
     t.observe(fake, now=1.0)
     got = t.get("a")
     assert got is not None and got.address == real and got.step == 9  # news, not the address
     # once a's own word is older than the TTL, relays are all we have
-    t.observe(PeerRecord("a", "6.6.6.6:1", 1, ready=True, version=3), now=10.5)
+    t.observe(PeerRecord("a", "6.6.6.6:1", 1, ready=True, incarnation=1, version=3), now=10.5)
     assert t.get("a").address == "6.6.6.6:1"  # type: ignore[union-attr]
     t.heard_from("a", now=11.0)  # it answered a ping at the address we hold
-    t.observe(PeerRecord("a", "7.7.7.7:1", 1, version=4), now=12.0)
+    t.observe(PeerRecord("a", "7.7.7.7:1", 1, incarnation=1, version=4), now=12.0)
     assert t.get("a").address == "6.6.6.6:1"  # type: ignore[union-attr]

@@ -1,0 +1,421 @@
+"""What membership costs as the swarm grows: the real membership code on the simulated
+network (``swarm.simnet``), in virtual time, at several swarm sizes.
+
+Per size ``n`` (8 stages, nodes spread evenly, 20 ms one way between any two):
+
+- **steady**: a swarm that has joined (every table full, as after the join), each node's
+  figures changing every second (its step), so it republishes them every ``refresh_s``.
+  After a warm-up, the bytes each node sends and receives per second (frames as the
+  project's codec encodes them, plus ``HTTP_OVERHEAD_BYTES`` per exchange), mean and the
+  busiest node.
+- **churn**: 1 % of the nodes replaced per minute (a random node vanishes without a word; a
+  new one joins through a random member): the same bytes, and per event the seconds until
+  a join is in every table of its neighbour stages (its own, the two next to it, and the
+  head stage 0) and until a death has left every table.
+
+Writes ``bench/results/membership.json`` (rows under ``simulated``; ``real`` stays a list
+for measurements from real processes) and ``membership.png``.
+
+Usage: ``python -m bench.membership [--sizes 100,1000,3000] [--steady-s 30] [--churn-s 60]``;
+``--quick`` for the test's small version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from protocol.messages import PeerRecord
+from swarm.membership import MembershipConfig, MembershipService
+from swarm.peers import PeerTable
+from swarm.simnet import HTTP_OVERHEAD_BYTES, SimClock, SimNet
+
+RESULTS = Path(__file__).parent / "results"
+STAGES = 8
+TARGET_BITS_PER_S = 50_000
+JOIN_TARGET_S = 5.0
+DEATH_MARGIN_S = 5.0
+
+
+def say(text: str) -> None:
+    print(f"[membership {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+class SimSwarm:
+    def __init__(self, config: MembershipConfig, seed: int, latency_s: float) -> None:
+        self.config = config
+        self.clock = SimClock()
+        self.net = SimNet(self.clock, latency_s)
+        self.rng = random.Random(seed)
+        self.nodes: dict[str, MembershipService] = {}  # address -> service
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.next_id = 0
+
+    def new(self) -> MembershipService:
+        i = self.next_id
+        self.next_id += 1
+        address = f"10.{i // 65536}.{i // 256 % 256}.{i % 256}:7070"
+        base = PeerRecord(peer_id=f"{i:016x}", address=address, stage=i % STAGES, ready=True)
+        clock = self.clock
+        svc = MembershipService(
+            self.config,
+            swarm="bench",
+            fingerprint="f",
+            table=PeerTable(base.peer_id, self.config.ttl_s, self.config.max_peers),
+            transport=self.net.transport(address),
+            clock=clock,
+            self_record=lambda: replace(base, step=int(clock.now())),
+            rng=random.Random(self.rng.random()),
+        )
+        self.net.nodes[address] = svc
+        self.nodes[address] = svc
+        return svc
+
+    def start(self, svc: MembershipService) -> None:
+        self.tasks[svc.self_record().address] = asyncio.ensure_future(svc.run())
+
+    def kill(self, svc: MembershipService) -> None:
+        address = svc.self_record().address
+        self.tasks.pop(address).cancel()
+        del self.net.nodes[address], self.nodes[address]
+
+    async def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    def bytes_now(self) -> dict[str, tuple[int, int]]:
+        """Per live node: bytes in and out, and of them what HTTP adds."""
+        net = self.net
+        return {a: (net.sent[a] + net.received[a], net.overhead[a]) for a in self.nodes}
+
+
+def formed(n: int, config: MembershipConfig, seed: int, latency_s: float) -> SimSwarm:
+    """``n`` nodes whose tables already hold everyone (what joining ends in)."""
+    sw = SimSwarm(config, seed, latency_s)
+    nodes = [sw.new() for _ in range(n)]
+    records = [node.own() for node in nodes]
+    for node in nodes:
+        for record in records:
+            node.table.observe(record, sw.clock.now())
+    return sw
+
+
+def rate(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], seconds: float
+) -> dict[str, float]:
+    """Bytes per node per second between two counts, over the nodes live at both."""
+    both = [a for a in after if a in before]
+    total = [(after[a][0] - before[a][0]) / seconds for a in both]
+    frames = [(after[a][0] - after[a][1] - before[a][0] + before[a][1]) / seconds for a in both]
+    return {
+        "bytes_per_node_per_s": round(statistics.fmean(total), 1),
+        "bytes_per_node_per_s_max": round(max(total), 1),
+        "kbit_per_node_per_s": round(statistics.fmean(total) * 8 / 1000, 2),
+        "frame_bytes_per_node_per_s": round(statistics.fmean(frames), 1),
+    }
+
+
+async def measure(
+    n: int, steady_s: float, churn_s: float, seed: int, latency_s: float
+) -> dict[str, Any]:
+    config = MembershipConfig(max_peers=max(16384, 2 * n))
+    sw = formed(n, config, seed, latency_s)
+    for svc in list(sw.nodes.values()):
+        sw.start(svc)
+    clock = sw.clock
+    await clock.run_until(clock.t + 10.0)  # warm-up: rounds out of step, first refreshes
+    before, t0 = sw.bytes_now(), clock.t
+    await clock.run_until(t0 + steady_s)
+    steady = rate(before, sw.bytes_now(), clock.t - t0)
+    by_type = dict(sw.net.by_type)
+    refresh_s = next(iter(sw.nodes.values())).refresh_s()
+    say(
+        f"n={n}: steady {steady['kbit_per_node_per_s']:.1f} kbit/s per node, refresh_s {refresh_s:.0f}"
+    )
+
+    # churn: a node vanishes and another joins every 60 / (0.01 n) seconds
+    every_s = 60.0 / max(1.0, 0.01 * n)
+    joins: dict[str, tuple[float, int]] = {}  # peer id -> (joined at, stage)
+    deaths: dict[str, float] = {}
+    join_s: list[float] = []
+    death_s: list[float] = []
+    before, t0 = sw.bytes_now(), clock.t
+    next_event = t0
+    while clock.t < t0 + churn_s or joins or deaths:
+        if clock.t >= next_event and clock.t < t0 + churn_s:
+            next_event += every_s
+            victim = sw.rng.choice(list(sw.nodes.values()))
+            deaths[victim.table.self_id] = clock.t
+            sw.kill(victim)
+            newcomer = sw.new()
+            newcomer.add_bootstrap([sw.rng.choice(list(sw.nodes)[:-1])])
+            sw.start(newcomer)
+            joins[newcomer.table.self_id] = (clock.t, newcomer.self_record().stage)
+        await clock.run_until(clock.t + 0.1)
+        live = list(sw.nodes.values())
+        by_stage: dict[int, list[MembershipService]] = {}
+        for svc in live:
+            by_stage.setdefault(int(svc.table.self_id, 16) % STAGES, []).append(svc)
+        for peer_id, (at, stage) in list(joins.items()):
+            near = {0, stage, (stage - 1) % STAGES, (stage + 1) % STAGES}
+            if all(
+                peer_id in s.table
+                for st in near
+                for s in by_stage.get(st, [])
+                if s.table.self_id != peer_id
+            ):
+                join_s.append(round(clock.t - at, 2))
+                del joins[peer_id]
+        for peer_id, at in list(deaths.items()):
+            if not any(peer_id in s.table for s in live):
+                death_s.append(round(clock.t - at, 2))
+                del deaths[peer_id]
+        if clock.t > t0 + churn_s + 120:
+            raise RuntimeError(f"n={n}: {len(joins)} joins, {len(deaths)} deaths unfinished")
+    churn = rate(before, sw.bytes_now(), clock.t - t0)
+    await sw.close()
+    row = {
+        "n": n,
+        **steady,
+        "refresh_s": round(refresh_s, 1),
+        "steady_bytes_by_message": {k: v for k, v in sorted(by_type.items())},
+        "churn": {
+            **churn,
+            "events": len(join_s),
+            "join_visible_s_median": statistics.median(join_s) if join_s else None,
+            "join_visible_s_max": max(join_s) if join_s else None,
+            "death_gone_s_median": statistics.median(death_s) if death_s else None,
+            "death_gone_s_max": max(death_s) if death_s else None,
+        },
+    }
+    say(
+        f"n={n}: churn {churn['kbit_per_node_per_s']:.1f} kbit/s per node, "
+        f"join max {row['churn']['join_visible_s_max']} s, death max {row['churn']['death_gone_s_max']} s"
+    )
+    return row
+
+
+MEMBERSHIP_KINDS = ("hello", "welcome", "ping", "pong", "probe", "leave")
+REAL_SETTINGS = {
+    "node.join_wait_s": "1.0",
+    "swarm.num_block_stages": "6",  # the tiny model's 6 blocks: 7 stages
+    "train.eval_interval_s": "0",
+    "balance.benchmark_s": "0",
+    "balance.interval_s": "0",
+}
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """Membership frame bytes (in + out) and requests sent, from a node's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    out = {"frame_bytes": 0.0, "requests": 0.0}
+    for line in text.decode().splitlines():
+        if not any(f'kind="{k}"' in line for k in MEMBERSHIP_KINDS):
+            continue
+        if line.startswith("murmur_wire_bytes_total{"):
+            out["frame_bytes"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("murmur_requests_total{"):
+            out["requests"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dict[str, Any]:
+    """``n`` real ``node join`` processes on loopback (block stages only: no head, so no
+    training), each adding ``latency_ms`` to what it sends: the steady traffic from their
+    /metrics, then ``events`` times a node killed (SIGKILL) and a new one started."""
+    import os
+    import signal
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from node.client import fetch_status
+    from node.demo import LocalSwarm, free_port, wait_ready
+
+    settings = dict(REAL_SETTINGS)
+    if latency_ms:
+        settings["net.inject_latency_s"] = str(latency_ms / 1e3)
+    log_dir = Path(tempfile.mkdtemp(prefix="murmuration-membership-"))
+    swarm = LocalSwarm(log_dir, settings)
+    metrics: dict[str, int] = {}  # address -> metrics port
+    stages: dict[str, int] = {}
+    pool = ThreadPoolExecutor(16)
+
+    def start(i: int) -> str:
+        port = free_port()
+        address = swarm.start_node(1 + i % 6, extra=["--set", f"net.metrics_port={port}"])
+        metrics[address], stages[address] = port, 1 + i % 6
+        return address
+
+    def statuses(addresses: list[str]) -> dict[str, dict[str, Any]]:
+        def one(a: str) -> dict[str, Any] | None:
+            try:
+                return fetch_status(a, timeout_s=5.0)
+            except (OSError, ValueError):
+                return None
+
+        got = dict(zip(addresses, pool.map(one, addresses), strict=True))
+        return {a: st for a, st in got.items() if st is not None}
+
+    def knows(st: dict[str, Any], peer_id: str) -> bool:
+        return any(p["peer_id"] == peer_id for p in st["peers"])
+
+    try:
+        live = [start(i) for i in range(n)]
+        say(f"real n={n}: started, waiting for every table to hold everyone")
+        for address in live:
+            wait_ready(address, 600.0, swarm)
+        deadline = time.monotonic() + 300
+        while True:
+            sts = statuses(live)
+            if len(sts) == n and all(len(st["peers"]) == n - 1 for st in sts.values()):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tables incomplete after 300 s; logs in {log_dir}")
+            time.sleep(1.0)
+        time.sleep(10.0)  # joins spread, first refreshes
+        before = dict(zip(live, pool.map(lambda a: scrape(metrics[a]), live), strict=True))
+        t0 = time.monotonic()
+        time.sleep(steady_s)
+        after = dict(zip(live, pool.map(lambda a: scrape(metrics[a]), live), strict=True))
+        elapsed = time.monotonic() - t0
+        frames = [(after[a]["frame_bytes"] - before[a]["frame_bytes"]) / elapsed for a in live]
+        requests = [(after[a]["requests"] - before[a]["requests"]) / elapsed for a in live]
+        row: dict[str, Any] = {
+            "n": n,
+            "frame_bytes_per_node_per_s": round(statistics.fmean(frames), 1),
+            "frame_bytes_per_node_per_s_max": round(max(frames), 1),
+            "requests_sent_per_node_per_s": round(statistics.fmean(requests), 2),
+        }
+        # a request and its reply, at both ends: the sim's overhead per exchange, twice
+        row["bytes_per_node_per_s"] = round(
+            row["frame_bytes_per_node_per_s"]
+            + 2 * row["requests_sent_per_node_per_s"] * HTTP_OVERHEAD_BYTES,
+            1,
+        )
+        say(f"real n={n}: steady {row['frame_bytes_per_node_per_s']:.0f} frame B/s per node")
+        death_s, join_s = [], []
+        rng = random.Random(0)
+        for _ in range(events):
+            victim = rng.choice(live[1:])
+            victim_id = statuses([victim])[victim]["peer_id"]
+            proc = next(p for name, p, _ in swarm.procs if name.endswith(victim.rsplit(":")[1]))
+            os.killpg(proc.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            live.remove(victim)
+            while any(knows(st, victim_id) for st in statuses(live).values()):
+                if time.monotonic() - killed_at > 120:
+                    raise RuntimeError(f"{victim_id} still in a table after 120 s")
+                time.sleep(0.25)
+            death_s.append(round(time.monotonic() - killed_at, 2))
+            newcomer = start(rng.randrange(n))
+            while not statuses([newcomer]):
+                time.sleep(0.1)
+            said_at = time.monotonic()  # listening: it greets its bootstrap now
+            new_id = statuses([newcomer])[newcomer]["peer_id"]
+            stage = stages[newcomer]
+            near = {stage - 1, stage, stage + 1}
+            live.append(newcomer)
+            while not all(
+                knows(st, new_id)
+                for a, st in statuses(live).items()
+                if a != newcomer and stages[a] in near
+            ):
+                if time.monotonic() - said_at > 120:
+                    raise RuntimeError(f"{new_id} not known to its neighbours after 120 s")
+                time.sleep(0.25)
+            join_s.append(round(time.monotonic() - said_at, 2))
+            say(f"real n={n}: death gone in {death_s[-1]} s, join seen in {join_s[-1]} s")
+        row["death_gone_s"] = death_s
+        row["join_visible_s"] = join_s
+        return row
+    finally:
+        swarm.stop()
+        pool.shutdown()
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["simulated"]
+    ns = [r["n"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(ns, [r["kbit_per_node_per_s"] for r in rows], "o-", label="steady")
+    ax1.plot(ns, [r["churn"]["kbit_per_node_per_s"] for r in rows], "s-", label="1 %/min churn")
+    ax1.axhline(TARGET_BITS_PER_S / 1000, color="grey", ls="--", label="target 50 kbit/s")
+    ax1.set(xscale="log", xlabel="nodes", ylabel="kbit/s per node (in + out)")
+    ax1.set_title("membership traffic per node")
+    ax1.legend()
+    ttl = result["config"]["ttl_s"]
+    ax2.plot(ns, [r["churn"]["join_visible_s_max"] for r in rows], "o-", label="join seen (max)")
+    ax2.plot(ns, [r["churn"]["death_gone_s_max"] for r in rows], "s-", label="death gone (max)")
+    ax2.axhline(JOIN_TARGET_S, color="C0", ls=":", label="join target")
+    ax2.axhline(ttl + DEATH_MARGIN_S, color="C1", ls=":", label="death target")
+    ax2.set(xscale="log", xlabel="nodes", ylabel="seconds")
+    ax2.set_title("how fast news travels")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="100,1000,3000")
+    ap.add_argument("--steady-s", type=float, default=30.0)
+    ap.add_argument("--churn-s", type=float, default=60.0)
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--real", type=int, default=0, help="also this many real processes")
+    ap.add_argument("--events", type=int, default=3, help="deaths and joins among them")
+    ap.add_argument("--quick", action="store_true", help="sizes 20,60, short phases")
+    ap.add_argument("--out", type=Path, default=RESULTS / "membership.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.steady_s, args.churn_s = "20,60", 10.0, 30.0
+    rows = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        started = time.monotonic()
+        rows.append(
+            asyncio.run(measure(n, args.steady_s, args.churn_s, args.seed, args.latency_ms / 1e3))
+        )
+        rows[-1]["wall_s"] = round(time.monotonic() - started, 1)
+    config = MembershipConfig()
+    result = {
+        "config": {
+            "heartbeat_s": config.heartbeat_s,
+            "ttl_s": config.ttl_s,
+            "fanout": config.fanout,
+            "budget_bytes_per_s": config.budget_bytes_per_s,
+            "stages": STAGES,
+            "latency_ms": args.latency_ms,
+            "http_overhead_bytes": HTTP_OVERHEAD_BYTES,
+            "steady_s": args.steady_s,
+            "churn_s": args.churn_s,
+        },
+        "simulated": rows,
+        "real": [measure_real(args.real, args.steady_s, args.events, args.latency_ms)]
+        if args.real
+        else [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    say(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
