@@ -124,6 +124,40 @@ def test_head_loss_and_backward() -> None:
     assert none is None and eval_loss == pytest.approx(loss, abs=1e-5)
 
 
+def test_head_step_averages_each_side_over_the_microbatches_it_holds() -> None:
+    """With microbatches in flight, another microbatch's loss reaches the head before the
+    first one's gradient is back: the output side (final norm, LM head) then holds two
+    microbatches' gradients and the embedding one. The step must apply each side's mean, the
+    gradient one microbatch alone gives, not the output side's sum (which made the LM head's
+    step size depend on how many losses arrived in between)."""
+    applied: dict[str, list[dict[str, torch.Tensor]]] = {"alone": [], "interleaved": []}
+    runners = {}
+    for name in applied:
+        r = runner(0, step_samples="2", clip_norm="1e9")
+        named = dict(r.module.named_parameters())
+
+        def record(opt: object, args: object, kwargs: object, r=r, name=name, named=named) -> None:
+            applied[name].append(
+                {k: p.grad.clone() for k, p in named.items() if p.grad is not None}
+            )
+
+        r.optimizer.register_step_pre_hook(record)
+        runners[name] = r
+    ids = torch.randint(0, 256, (2, 16))
+    for name, losses in (("alone", 1), ("interleaved", 2)):
+        r = runners[name]
+        h = r.head_embed(ids)
+        for _ in range(losses):  # the same microbatch, so every mean equals its gradient
+            _, grad = r.head_loss(h, ids, train=True)
+        assert grad is not None
+        r.head_backward(ids, grad)
+        assert r.step == 1
+    alone, interleaved = applied["alone"][0], applied["interleaved"][0]
+    assert alone.keys() == interleaved.keys() >= {"lm_head.weight", "tok_embedding.weight"}
+    for k in alone:
+        assert torch.allclose(interleaved[k], alone[k], rtol=1e-5, atol=1e-7), k
+
+
 def test_snapshot_load_round_trip_and_bad_state() -> None:
     a, b = runner(1, step_samples="2"), runner(1)
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)

@@ -8,7 +8,13 @@ thread. ``compute`` runs a function on that thread, so the event loop never runs
 and torch never sees two threads.
 
 Gradients from every microbatch are accumulated until ``step_samples`` samples, averaged
-per microbatch, clipped to ``clip_norm`` and applied.
+per microbatch, clipped to ``clip_norm`` and applied. On the head stage a microbatch's
+gradient arrives in two parts at two times: the output side's (final norm, LM head) at its
+loss, the embedding's when its gradient has come back through every block stage. With
+several microbatches in flight, other microbatches' losses land in between, so each side is
+averaged over the microbatches that actually gave it a gradient (counted apart): dividing
+the output side's sum by the embedding's count would scale its gradient by however many
+losses happened to arrive before the step, a different number each step.
 
 Does not own routing, peers, or the wire; the daemon hands it tensors and ids.
 """
@@ -113,6 +119,11 @@ class StageRunner:
         self.samples = 0
         self._acc_samples = 0
         self._acc_microbatches = 0
+        """Microbatches whose backward is in ``.grad`` (the head: the embedding's)."""
+        self._acc_losses = 0
+        """Head stage: microbatches whose loss gradient is in the output side's ``.grad``."""
+        self._output_side: set[int] = set()
+        """Head stage: ids of the output side's parameters (averaged over ``_acc_losses``)."""
         self.sync = config.sync
         self.noloco = NoLoCoConfig(config.sync.alpha, config.sync.beta, config.sync.gamma)
         self.diloco = DiLoCoConfig(config.sync.diloco_lr, config.sync.diloco_momentum)
@@ -158,6 +169,9 @@ class StageRunner:
         c = self.config
         self.module = build_stage(c.model, c.swarm.num_block_stages, self.stage, c.swarm.seed)
         self.module.to(self.device)
+        if isinstance(self.module, HeadStage):
+            out_side = [*self.module.final_norm.parameters(), *self.module.lm_head.parameters()]
+            self._output_side = {id(p) for p in out_side}
         self.optimizer = self._new_optimizer()
         self._init_outer()
 
@@ -265,6 +279,7 @@ class StageRunner:
             self._account(t0, 0)
             return value, None
         loss.backward()
+        self._acc_losses += 1  # the output side's part of this microbatch is in .grad now
         self._account(t0, 0)
         assert h.grad is not None
         return value, h.grad
@@ -308,12 +323,20 @@ class StageRunner:
     def _take_grads(self) -> torch.Tensor:
         """The accumulated mean gradient as one flat vector; accumulation starts afresh."""
         grads = [
-            (p.grad / self._acc_microbatches) if p.grad is not None else torch.zeros_like(p)
+            (p.grad / self._grad_count(p)) if p.grad is not None else torch.zeros_like(p)
             for p in self.module.parameters()
         ]
         self.optimizer.zero_grad(set_to_none=True)
-        self._acc_samples = self._acc_microbatches = 0
+        self._reset_accumulation()
         return parameters_to_vector(grads)
+
+    def _grad_count(self, p: torch.Tensor) -> int:
+        """Microbatches whose gradients ``p.grad`` holds (at least 1)."""
+        count = self._acc_losses if id(p) in self._output_side else self._acc_microbatches
+        return max(1, count)
+
+    def _reset_accumulation(self) -> None:
+        self._acc_samples = self._acc_microbatches = self._acc_losses = 0
 
     def _optimizer_step(self, flat_grads: torch.Tensor | None = None) -> bool:
         """Clip, set the scheduled learning rate, step Adam; ``flat_grads`` replaces .grad.
@@ -323,8 +346,8 @@ class StageRunner:
         if flat_grads is None:
             for p in params:
                 if p.grad is not None:
-                    p.grad.div_(self._acc_microbatches)
-            self._acc_samples = self._acc_microbatches = 0
+                    p.grad.div_(self._grad_count(p))
+            self._reset_accumulation()
         else:
             kept = [p.grad for p in params]  # what arrived while the ring was running
             for p, g in zip(params, _unflatten(flat_grads, params), strict=True):
@@ -540,7 +563,7 @@ class StageRunner:
         self.lr_scale_until = self.step + boost if boost > 0 else -1
         self._init_outer()
         self.optimizer.zero_grad(set_to_none=True)
-        self._acc_samples = self._acc_microbatches = 0
+        self._reset_accumulation()
 
     def reinitialise(self, seed: int, lr_scale: float) -> None:
         """Random re-initialisation from another seed (the baseline CheckFree beats)."""
