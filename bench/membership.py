@@ -180,8 +180,17 @@ async def measure(
                 death_s.append(round(clock.t - at, 2))
                 del deaths[peer_id]
         if clock.t > t0 + churn_s + 120:
+            for peer_id, at in deaths.items():
+                for s in live:
+                    if peer_id in s.table:
+                        say(
+                            f"{peer_id} dead at {at - t0:.1f} still held by {s.table.self_id} "
+                            f"(age {s.table.age_s(peer_id, clock.t):.0f} s, missing since "
+                            f"{s._missing.get(peer_id)}, news {peer_id in s._news})"
+                        )
             raise RuntimeError(f"n={n}: {len(joins)} joins, {len(deaths)} deaths unfinished")
     churn = rate(before, sw.bytes_now(), clock.t - t0)
+    churn_by_type = {k: v - by_type.get(k, 0) for k, v in sorted(sw.net.by_type.items())}
     await sw.close()
     row = {
         "n": n,
@@ -190,6 +199,7 @@ async def measure(
         "steady_bytes_by_message": {k: v for k, v in sorted(by_type.items())},
         "churn": {
             **churn,
+            "bytes_by_message": churn_by_type,
             "events": len(join_s),
             "join_visible_s_median": statistics.median(join_s) if join_s else None,
             "join_visible_s_max": max(join_s) if join_s else None,

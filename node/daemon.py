@@ -251,6 +251,7 @@ class Node:
             "served": dict(self.relays.served),
             **self.relay_hub.status(),
         }
+        out["membership"] = self.membership.status()
         out["recovery"] = self.recovery.status()
         out["balance"] = self.balancer.status()
         if isinstance(self.role, HeadRole):
@@ -265,6 +266,8 @@ class Node:
         out = dict(self.counters)
         if self.table.num_refused_full:
             out["peers_refused_table_full"] = self.table.num_refused_full
+        if self.membership.num_buried:
+            out["peers_buried"] = self.membership.num_buried
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -66,6 +66,10 @@ _NAMED_COUNTERS = {
         "murmur_peers_refused_table_full",
         "New peers ignored because the peer table held membership.max_peers already.",
     ),
+    "peers_buried": (
+        "murmur_peers_buried",
+        "Members this node found gone: no probe, direct or through others, reached them for ttl_s.",
+    ),
 }
 """``Node.counters`` keys with a family of their own (prefix families are handled apart)."""
 

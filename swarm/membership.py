@@ -15,8 +15,9 @@ Protocol"), ``docs/algorithms.md`` section 11:
   most every ``refresh_s`` - an interval set so that spreading everyone's figures fits
   ``budget_bytes_per_s``. A node that learns something new (a newer record, a death)
   pushes it at once to ``fanout`` random members (infect and die), and piggybacks it on
-  its next few pings and replies (``piggybacks``: about log10 of the swarm's size), so
-  news reaches every table in a few network round trips and a quiet swarm repeats nothing.
+  its next few pings and replies (``PIGGYBACK_MULT`` times log10 of the swarm's size), so
+  news reaches every table in a few network round trips, no node misses it but with
+  probability about e^-(fanout + piggybacks), and a quiet swarm repeats nothing.
 - **Failure detection.** Every ``heartbeat_s`` (jittered) a node pings the next member of a
   shuffled round-robin list (every member is pinged within one pass). A member that does
   not answer is probed through ``indirect_probes`` others (a ``Probe``: maybe only our path
@@ -79,9 +80,12 @@ LOST_FORGET_S = 3600.0
 """How long a buried peer's address is greeted again before it is forgotten."""
 RECORD_BYTES = 250
 """About what one record costs on the wire (msgpack with field names), for the budget."""
+PIGGYBACK_MULT = 3
+"""Each piece of news rides on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` messages per node (SWIM's
+lambda log n; hashicorp/memberlist uses a multiplier of 4 with 3 gossip targets)."""
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
-PUSH_DELAY_S = 0.02
+PUSH_DELAY_S = 0.1
 """How long news waits before it is pushed on, so news arriving together travels together."""
 FIGURES = frozenset(
     {
@@ -105,7 +109,7 @@ class MembershipConfig:
     """Seconds between probe rounds (each round is jittered by +-20 %)."""
     ttl_s: float = 8.0
     """A member that no probe (direct or through others) reached for this long is gone."""
-    fanout: int = 8
+    fanout: int = 4
     """Members a node pushes each piece of news to when it first learns it."""
     indirect_probes: int = 3
     """Members asked to probe a member that did not answer our own ping."""
@@ -159,6 +163,7 @@ class MembershipService:
         self._push: asyncio.Task[None] | None = None
         self._order: list[str] = []  # this pass of the round-robin, next target last
         self._missing: dict[str, float] = {}  # member -> when a probe first missed it
+        self._others_missed: set[str] = set()  # missing members others could not reach either
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._leaving = False
@@ -173,6 +178,17 @@ class MembershipService:
             self._publish(record, self.clock.now())
         assert self._published is not None
         return self._published
+
+    def status(self) -> dict[str, float | int]:
+        """What ``node status`` shows of membership."""
+        own = self.own()
+        return {
+            "incarnation": own.incarnation,
+            "version": own.version,
+            "refresh_s": round(self.refresh_s(), 1),
+            "buried": self.num_buried,
+            "news_waiting": len(self._news),
+        }
 
     def current(self) -> PeerRecord:
         """Our record with its figures of the moment, as the published one otherwise: what
@@ -206,12 +222,12 @@ class MembershipService:
 
     def _sends(self, n: int) -> int:
         """Times one node passes on one piece of news: a push to ``fanout`` members, then
-        piggybacked on about log10(n) pings and replies."""
+        piggybacked on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` pings and replies."""
         return min(self.config.fanout, max(1, n - 1)) + self._piggybacks(n)
 
     @staticmethod
     def _piggybacks(n: int) -> int:
-        return max(1, math.ceil(math.log10(n + 1)))
+        return PIGGYBACK_MULT * max(1, math.ceil(math.log10(n + 1)))
 
     def _tell(self, item: PeerRecord | Obituary) -> None:
         """Pass ``item`` on: pushed soon to ``fanout`` members, then piggybacked."""
@@ -233,8 +249,8 @@ class MembershipService:
                 self._news.pop(news.item.peer_id, None)
 
     async def _push_news(self) -> None:
-        """Push every item not pushed yet to ``fanout`` random members (``MAX_NEWS`` a
-        message)."""
+        """Push every item not pushed yet to ``fanout`` random members, ``MAX_NEWS`` items
+        a message; a member that does not answer is probed from the next round on."""
         await self.clock.sleep(PUSH_DELAY_S)
         while True:
             items = [n for n in self._news.values() if not n.pushed][:MAX_NEWS]
@@ -247,8 +263,11 @@ class MembershipService:
             news_, deaths = _split(items)
             msg = Ping(sender=self.table.self_id, news=news_, deaths=deaths)
             targets = self.rng.sample(members, min(self.config.fanout, len(members)))
-            timeout_s = self.config.request_timeout_s
-            await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
+            timeout_s, start = self.config.request_timeout_s, self.clock.now()
+            answered = await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
+            for target, ok in zip(targets, answered, strict=True):
+                if not ok:
+                    self._missing.setdefault(target.peer_id, start)
 
     def _take(
         self, news: list[PeerRecord], deaths: list[Obituary], via: str, spread: bool = True
@@ -318,6 +337,7 @@ class MembershipService:
         target = self._next_target()
         missing = [p for p in self._missing if p in self.table]
         self._missing = {p: self._missing[p] for p in missing}
+        self._others_missed &= set(missing)
         probes = [self._probe_once(p) for p in dict.fromkeys([*missing, *target])]
         held = {p.address for p in self.table.records()} | {self.self_record().address}
         greet = {a for a in (*self.bootstrap, *self._sighted) if a not in held}
@@ -343,27 +363,38 @@ class MembershipService:
         await asyncio.shield(task)
 
     async def _probe(self, peer_id: str) -> None:
-        """Ping a member, then through others; bury it once none reached it for ``ttl_s``."""
+        """Ping a member, then through others; bury it once none reached it for ``ttl_s``
+        (checked after each failed ping, once others have failed to reach it too)."""
         record = self.table.get(peer_id)
         if record is None:
             return
         start = self.clock.now()
         if await self._ping(record, Ping(self.table.self_id, *self._piggyback())):
             self._missing.pop(peer_id, None)
-            return
-        if await self._probe_through_others(record):
-            self._missing.pop(peer_id, None)
+            self._others_missed.discard(peer_id)
             return
         since = self._missing.setdefault(peer_id, start)
+        if peer_id not in self._others_missed or not self._bury_if_due(record, since):
+            if await self._probe_through_others(record):
+                self._missing.pop(peer_id, None)
+                self._others_missed.discard(peer_id)
+                return
+            self._others_missed.add(peer_id)  # others could not reach it either
+            self._bury_if_due(record, since)
+
+    def _bury_if_due(self, record: PeerRecord, since: float) -> bool:
         now = self.clock.now()
+        peer_id = record.peer_id
         if now - since < self.config.ttl_s or self.table.incarnation(peer_id) != record.incarnation:
-            return
+            return False
         self._missing.pop(peer_id, None)
+        self._others_missed.discard(peer_id)
         if self.table.bury(peer_id, record.incarnation, now):
             self.num_buried += 1
             log.info("peer %s gone: no probe reached it for %.0fs", peer_id[:8], now - since)
             self._lose(record.address, now)
             self._tell(Obituary(peer_id, record.incarnation))
+        return True
 
     async def _probe_through_others(self, record: PeerRecord) -> bool:
         others = [p for p in self.table.records() if p.peer_id != record.peer_id]

@@ -71,6 +71,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_attention_logit_max": ("gauge", {"stage", "block"}),
     "murmur_peers_banned": ("counter", set()),
     "murmur_peers_refused_table_full": ("counter", set()),
+    "murmur_peers_buried": ("counter", set()),
     "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_reachability": ("gauge", {"state"}),
