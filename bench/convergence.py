@@ -15,8 +15,9 @@ no worse than DiLoCo.
 
 **Check against the live swarm** (``--check``): the same configuration at small N, as real
 ``node join`` processes on 127.0.0.1 (2 head nodes with data shards 0 and 1, 2 block stages
-with 2 replicas each), against the simulation of 2 replicas per stage with the same seed, at
-the same token milestones; the noise it is judged by is how far two simulated seeds differ.
+with 2 replicas each, ``--check-in-flight`` microbatches in flight per head: the daemon's
+default), against the simulation of 2 replicas per stage with the same seed, evaluated at the
+live swarm's token counts; the noise it is judged by is how far two simulated seeds differ.
 
 Writes ``bench/results/convergence.json`` (``replicas_per_stage``; ``methods``: per method
 ``final_eval_loss_mean``, per seed, and the curves; ``live_check``) and ``convergence.png``.
@@ -40,7 +41,7 @@ import torch
 
 from bench.convergence_sim import Curve, simulate
 from node.client import fetch_status, request_eval
-from node.config import resolve_config
+from node.config import TrainConfig, resolve_config
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 
@@ -133,9 +134,12 @@ def live_weights(address: str, stage: int) -> torch.Tensor:
     return torch.cat(params)
 
 
-def run_live(settings: dict[str, str], tokens: int, milestones: list[int], log_dir: Path) -> Curve:
+def run_live(settings: dict[str, str], milestones: list[int], log_dir: Path) -> Curve:
     """The configuration as real processes: 2 heads (shards 0 and 1 of 2), 2 block stages x 2
-    replicas; the first head evaluates at each milestone of tokens (both heads together)."""
+    replicas; the first head evaluates once past each milestone of tokens (both heads
+    together). The swarm trains on while it evaluates (about one milestone's worth of tokens
+    at the quick budget), so a point's tokens are the mean of the counts before and after
+    its evaluation, and the simulation is evaluated at those counts (``run_check``)."""
     swarm = LocalSwarm(
         log_dir,
         {
@@ -156,13 +160,15 @@ def run_live(settings: dict[str, str], tokens: int, milestones: list[int], log_d
         blocks = [swarm.start_node(stage) for stage in (1, 1, 2, 2)]
         for a in heads + blocks:
             wait_ready(a, 120, swarm)
-        for milestone in [0, *milestones]:
+        for milestone in milestones:
             while (done := sum(fetch_status(h)["tokens"] for h in heads)) < milestone:
                 if swarm.dead():
                     raise RuntimeError(f"live check: node(s) died: {swarm.dead()}")
-                time.sleep(0.5)
-            curve.tokens.append(done)
+                time.sleep(0.2)
             curve.eval_loss.append(request_eval(heads[0]))
+            after = sum(fetch_status(h)["tokens"] for h in heads)
+            curve.tokens.append((done + after) // 2)
+            done = curve.tokens[-1]
             spreads = []
             for stage, pair in ((1, blocks[0:2]), (2, blocks[2:4])):
                 a, b = (live_weights(x, stage) for x in pair)
@@ -182,19 +188,33 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     method = "noloco"
     settings = {**study_settings(args, method), "swarm.seed": str(args.seeds[0])}
     settings["sync.outer_steps"] = str(args.check_outer_steps)
+    settings["train.max_in_flight"] = str(args.check_in_flight)
     config = resolve_config(overrides=settings)
     num_evals = 10
+    milestones = [0, *(args.check_tokens * (i + 1) // num_evals for i in range(num_evals))]
+    log(f"live check: real processes, train.max_in_flight={settings['train.max_in_flight']}")
+    with tempfile.TemporaryDirectory(prefix="convergence-live-") as tmp:
+        live = run_live(settings, milestones, Path(tmp))
     log(
-        f"live check: simulation, 2 replicas per stage, seeds {args.seeds[0]} and {args.seeds[0] + 1}"
+        f"live check: simulation at the live tokens, 2 replicas per stage, seeds "
+        f"{args.seeds[0]} and {args.seeds[0] + 1}"
     )
     sims = [
-        simulate(config, 2, s, args.check_tokens, num_evals, _progress)
+        simulate(config, 2, s, live.tokens[-1], progress=_progress, milestones=live.tokens)
         for s in (args.seeds[0], args.seeds[0] + 1)
     ]
-    milestones = sims[0].tokens[1:]
-    log("live check: the same configuration as real processes")
-    with tempfile.TemporaryDirectory(prefix="convergence-live-") as tmp:
-        live = run_live(settings, args.check_tokens, milestones, Path(tmp))
+    stale = None
+    if args.check_in_flight > 1:  # the simulation with the live pipeline's staleness
+        log(f"live check: simulation with {args.check_in_flight} microbatches in flight per head")
+        stale = simulate(
+            config,
+            2,
+            args.seeds[0],
+            live.tokens[-1],
+            progress=_progress,
+            milestones=live.tokens,
+            in_flight=args.check_in_flight,
+        )
 
     def gaps(a: Curve, b: Curve) -> list[float]:
         return [abs(x / y - 1) for x, y in zip(a.eval_loss[1:], b.eval_loss[1:], strict=False)]
@@ -204,13 +224,16 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
         "method": method,
         "outer_steps": args.check_outer_steps,
         "tokens": args.check_tokens,
+        "max_in_flight": args.check_in_flight,
         "simulated": asdict(sims[0]),
         "simulated_other_seed": asdict(sims[1]),
+        "simulated_in_flight": asdict(stale) if stale else None,
         "live": asdict(live),
         "live_vs_sim_max_gap": max(live_gap),
         "live_vs_sim_final_gap": live_gap[-1],
         "seed_noise_max_gap": max(noise),
         "seed_noise_final_gap": noise[-1],
+        "live_vs_stale_sim_final_gap": gaps(live, stale)[-1] if stale else None,
     }
 
 
@@ -243,8 +266,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     check = result.get("live_check")
     if check:
-        for key, style in (("simulated", "-"), ("simulated_other_seed", ":"), ("live", "--")):
-            c = check[key]
+        keys = ("simulated", "simulated_other_seed", "simulated_in_flight", "live")
+        for key, style in zip(keys, ("-", ":", "-.", "--"), strict=True):
+            c = check.get(key)
+            if not c:
+                continue
             axes[2].plot([t / 1e6 for t in c["tokens"]], c["eval_loss"], style, label=key)
         axes[2].set_title("live swarm against the simulation (NoLoCo, 2 per stage)")
         axes[2].set_xlabel("tokens (millions)")
@@ -268,6 +294,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-only", action="store_true", help="only the live check")
     p.add_argument("--check-tokens", type=int, default=1_000_000)
     p.add_argument("--check-outer-steps", type=int, default=10)
+    p.add_argument(
+        "--check-in-flight",
+        type=int,
+        default=TrainConfig.max_in_flight,
+        help="microbatches each live head keeps in flight (the daemon's default)",
+    )
     p.add_argument("--quick", action="store_true", help="seconds: the smoke run the tests use")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--replot", action="store_true")

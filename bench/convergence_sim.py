@@ -8,6 +8,13 @@ learning-rate schedule, the spike guards) and its outer steps (``outer_contribut
 thread, one microbatch at a time, so ``R`` replicas of every stage and tens of millions of
 tokens fit on two cores.
 
+``in_flight`` (1 by default: synchronous) emulates the live pipeline's staleness: each head
+replica keeps that many microbatches between their forward and their loss and backward, so
+a microbatch's gradient is applied ``in_flight - 1`` inner steps after its forward, with the
+weights it was made with (the runner's weight stashing), as in the daemon (PipeDream,
+arXiv 1806.03377, section 3.3; SWARM, arXiv 2301.11913, section 3). It reproduces in one
+process, deterministically, what asynchrony costs the live swarm.
+
 What a global step is: every head replica issues one microbatch of its own data shard, and
 each is routed through the block stages along a fresh random permutation of each stage's
 replicas (NoLoCo's own routing, arXiv 2506.10911; SWARM's router reduces to it when all
@@ -32,10 +39,10 @@ Used by ``bench/convergence.py`` (the study, and its check against the live swar
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,7 +75,7 @@ class Curve:
 class SimulatedSwarm:
     """``replicas`` replicas of each of the ``1 + N`` stages of ``config``'s model."""
 
-    def __init__(self, config: Config, replicas: int, seed: int) -> None:
+    def __init__(self, config: Config, replicas: int, seed: int, in_flight: int = 1) -> None:
         sync = replace(config.sync, schedule="steps")  # equal replicas: the schedules agree
         self.config = replace(config, sync=sync, swarm=replace(config.swarm, seed=seed))
         self.num_replicas = replicas
@@ -100,6 +107,11 @@ class SimulatedSwarm:
         ]
         self.outer_rounds = 0
         self.mb = 0
+        self.in_flight = max(1, in_flight)
+        self.pending: deque[tuple[str, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            deque()
+        )
+        """Microbatches past their forward: id, path, ids, labels, final hidden states."""
 
     # ---- one global step ----------------------------------------------------------------
 
@@ -112,11 +124,13 @@ class SimulatedSwarm:
         tokens = 0
         for k in range(self.num_replicas):
             path = [k] + [perms[s][k] for s in range(1, self.num_stages)]
-            tokens += self._microbatch(path)
+            self._forward(path)
+            while len(self.pending) > (self.in_flight - 1) * self.num_replicas:
+                tokens += self._finish()
         self._synchronise()
         return tokens
 
-    def _microbatch(self, path: list[int]) -> int:
+    def _forward(self, path: list[int]) -> None:
         data = self.config.data
         head = self.runners[0][path[0]]
         ids, labels = self.datasets[path[0]].sample_batch(
@@ -127,6 +141,12 @@ class SimulatedSwarm:
         x = head.head_embed(ids)
         for stage in range(1, self.num_stages):
             x = self.runners[stage][path[stage]].block_forward(mb_id, x, train=True)
+        self.pending.append((mb_id, path, ids, labels, x))
+
+    def _finish(self) -> int:
+        """The oldest microbatch in flight: its loss, its backward; returns its tokens."""
+        mb_id, path, ids, labels, x = self.pending.popleft()
+        head = self.runners[0][path[0]]
         _, grad = head.head_loss(x, labels, train=True)
         if grad is not None:  # else a loss spike: nobody trains on it, as in the daemon
             for stage in range(self.num_stages - 1, 0, -1):
@@ -134,7 +154,7 @@ class SimulatedSwarm:
             head.head_backward(ids, grad)
         else:
             for stage in range(1, self.num_stages):
-                self.runners[stage][path[stage]].expire_saved(math.inf)
+                self.runners[stage][path[stage]].drop_saved(mb_id)
         return int(ids.numel())
 
     def _synchronise(self) -> None:
@@ -202,13 +222,19 @@ def simulate(
     tokens: int,
     num_evals: int = 10,
     progress: Progress | None = None,
+    milestones: list[int] | None = None,
+    in_flight: int = 1,
 ) -> Curve:
-    """Train the simulated swarm for ``tokens`` tokens, evaluating ``num_evals`` times."""
-    swarm = SimulatedSwarm(config, replicas, seed)
+    """Train the simulated swarm for ``tokens`` tokens, evaluating at the start and
+    ``num_evals`` times on the way; or, with ``milestones``, at the first global step that
+    reaches each of those token counts (those of another curve, to compare at equal tokens).
+    ``in_flight``: microbatches each head replica keeps in flight (``SimulatedSwarm``)."""
+    swarm = SimulatedSwarm(config, replicas, seed, in_flight)
     curve = Curve(config.sync.method, seed, replicas)
     t0 = time.monotonic()
     done = 0
-    milestones = [tokens * (i + 1) // num_evals for i in range(num_evals)]
+    if milestones is None:
+        milestones = [0, *(tokens * (i + 1) // num_evals for i in range(num_evals))]
 
     def point() -> None:
         curve.tokens.append(done)
@@ -226,7 +252,6 @@ def simulate(
                 }
             )
 
-    point()
     for milestone in milestones:
         while done < milestone:
             done += swarm.global_step()

@@ -227,6 +227,11 @@ class StageRunner:
         self._account(t0, x.shape[0])
         return x.grad
 
+    def drop_saved(self, mb_id: str) -> None:
+        """Free ``mb_id``'s activations: its gradient is not coming (a skipped loss spike)."""
+        self._saved.pop(mb_id, None)
+        self.stash.drop_unused(self._live_epochs)
+
     def has_saved(self, mb_id: str) -> bool:
         return mb_id in self._saved
 
