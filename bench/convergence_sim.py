@@ -13,7 +13,10 @@ replica keeps that many microbatches between their forward and their loss and ba
 a microbatch's gradient is applied ``in_flight - 1`` inner steps after its forward, with the
 weights it was made with (the runner's weight stashing), as in the daemon (PipeDream,
 arXiv 1806.03377, section 3.3; SWARM, arXiv 2301.11913, section 3). It reproduces in one
-process, deterministically, what asynchrony costs the live swarm.
+process, deterministically, what asynchrony costs the live swarm. The window is also the
+runners' ``train.max_in_flight``, so ``train.staleness = "2bw"`` in ``config`` bounds the
+staleness as the daemon would (an inner step per at least ``in_flight`` microbatches,
+``node.stage.runner``).
 
 What a global step is: every head replica issues one microbatch of its own data shard, and
 each is routed through the block stages along a fresh random permutation of each stage's
@@ -77,7 +80,11 @@ class SimulatedSwarm:
 
     def __init__(self, config: Config, replicas: int, seed: int, in_flight: int = 1) -> None:
         sync = replace(config.sync, schedule="steps")  # equal replicas: the schedules agree
-        self.config = replace(config, sync=sync, swarm=replace(config.swarm, seed=seed))
+        self.in_flight = max(1, in_flight)
+        # the emulated window is the runners' max_in_flight (train.staleness = 2bw reads it)
+        train = replace(config.train, max_in_flight=self.in_flight)
+        swarm = replace(config.swarm, seed=seed)
+        self.config = replace(config, sync=sync, swarm=swarm, train=train)
         self.num_replicas = replicas
         self.num_stages = config.swarm.num_block_stages + 1
         self.route_rng = random.Random(f"route-{seed}")  # the same routes for every method
@@ -107,7 +114,6 @@ class SimulatedSwarm:
         ]
         self.outer_rounds = 0
         self.mb = 0
-        self.in_flight = max(1, in_flight)
         self.pending: deque[tuple[str, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = (
             deque()
         )

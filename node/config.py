@@ -38,6 +38,7 @@ BalancePolicy = Literal["throughput", "replicas"]
 OuterSchedule = Literal["clock", "steps"]
 ComputeDtype = Literal["float32", "bfloat16"]
 InFlightPolicy = Literal["fixed", "adaptive"]
+Staleness = Literal["stash", "2bw"]
 
 
 def choices(kind: Any) -> tuple[str, ...]:
@@ -170,6 +171,16 @@ class TrainConfig:
     """``fixed``: ``max_in_flight`` always; ``adaptive``: grown while the pipe has room and
     shrunk when microbatches queue, by the TCP Vegas rule (``swarm.window``), for links
     whose round trip is not known in advance (a WAN)."""
+    staleness: Staleness = "stash"
+    """How old a gradient may be when it is applied, with microbatches in flight. ``stash``:
+    an inner step every ``step_samples`` samples, each backward with its own forward's
+    stashed weights (PipeDream), so a gradient lands up to ``max_in_flight - 1`` inner steps
+    after its forward. ``2bw``: PipeDream-2BW's rule (arXiv 2006.09503): an inner step only
+    every ``k * step_samples`` samples, the smallest ``k`` for which that is at least
+    ``max_in_flight * data.batch_size``, so at most one inner step falls between a
+    microbatch's forward and its backward. Step counts (``train.step``, the warm-up and
+    schedule, ``sync.outer_steps``, seconds per step) stay in units of ``step_samples``
+    samples: such an inner step counts as ``k``. Every replica of a stage must agree."""
     max_queue: int = 32
     """Jobs a node accepts before it answers "busy" (memory bound)."""
     hop_timeout_s: float = 10.0

@@ -224,3 +224,54 @@ def test_both_members_of_a_noloco_pair_follow_the_rule() -> None:
             for key in ("theta", "phi", "m"):
                 err = float((got[key] - want[key]).abs().max())
                 assert err < 1e-6, f"round {rnd}: {key} is {err:.2e} from the rule"
+
+
+def pipelined_runner(staleness: str, **overrides: str) -> StageRunner:
+    """A block runner fed as a head with 4 microbatches of 2 samples in flight feeds it."""
+    settings = {
+        "train.step_samples": "2",
+        "data.batch_size": "2",
+        "train.max_in_flight": "4",
+        "train.staleness": staleness,
+        **overrides,
+    }
+    r = StageRunner(resolve_config(None, {}, settings), 1)
+    r._build()
+    return r
+
+
+@pytest.mark.parametrize(("staleness", "most"), [("stash", 3), ("2bw", 1)])
+def test_2bw_takes_at_most_one_inner_step_between_a_forward_and_its_backward(
+    staleness: str, most: int
+) -> None:
+    r = pipelined_runner(staleness)
+    in_flight, x, g = 4, torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    assert r.step_units == (4 if staleness == "2bw" else 1)  # 4 x 2 samples over 2 per unit
+    opt_steps_at_forward: dict[str, int] = {}
+    between = []
+    for i in range(24):
+        r.block_forward(str(i), x, train=True)
+        opt_steps_at_forward[str(i)] = r.step // r.step_units
+        if i >= in_flight - 1:  # the oldest in flight comes back: 1F1B with 4 in flight
+            oldest = str(i - in_flight + 1)
+            between.append(r.step // r.step_units - opt_steps_at_forward[oldest])
+            r.block_backward(oldest, g)
+    assert max(between) == most
+    # the step counts units of step_samples samples: 21 backwards of 2 samples, and 2bw
+    # steps every 8 samples (5 steps of 4 units); the schedule is read at those units
+    assert r.samples == 42 and r.step == (20 if staleness == "2bw" else 21)
+    assert r.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(r.step - r.step_units, r.train))
+
+
+def test_2bw_outer_round_comes_due_when_a_coarse_step_crosses_its_boundary() -> None:
+    r = pipelined_runner(
+        "2bw", **{"sync.method": "noloco", "sync.schedule": "steps", "sync.outer_steps": "6"}
+    )
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    for i in range(8):  # 16 samples: two inner steps, at units 4 and 8 (a round: every 6)
+        r.block_forward(str(i), x, train=True)
+        r.block_backward(str(i), g)
+        assert r.sync_due == ("outer" if i == 7 else None)
+    assert r.step == 8 and r.hold
+    r.finish_sync(True)
+    assert r.outer_rounds == 1 and r.round_steps == 0

@@ -8,13 +8,22 @@ thread. ``compute`` runs a function on that thread, so the event loop never runs
 and torch never sees two threads.
 
 Gradients from every microbatch are accumulated until ``step_samples`` samples, averaged
-per microbatch, clipped to ``clip_norm`` and applied. On the head stage a microbatch's
-gradient arrives in two parts at two times: the output side's (final norm, LM head) at its
-loss, the embedding's when its gradient has come back through every block stage. With
-several microbatches in flight, other microbatches' losses land in between, so each side is
-averaged over the microbatches that actually gave it a gradient (counted apart): dividing
-the output side's sum by the embedding's count would scale its gradient by however many
-losses happened to arrive before the step, a different number each step.
+per microbatch, clipped to ``clip_norm`` and applied. With ``train.staleness = "2bw"`` an
+inner step waits for ``k`` times as many samples, at least the ``max_in_flight``
+microbatches a head keeps in the pipeline (PipeDream-2BW, arXiv 2006.09503, its 2BW rule:
+gradient accumulation over at least as many microbatches as are in flight), so that at most
+one inner step falls between a microbatch's forward and its backward, instead of up to
+``max_in_flight - 1``. Such a step counts as ``k`` in ``step`` (and in ``step_s``): the
+learning-rate schedule, the outer period and every other count in steps keep meaning
+``step_samples`` samples each, so the schedules per token are the same with either rule.
+
+On the head stage a microbatch's gradient arrives in two parts at two times: the output
+side's (final norm, LM head) at its loss, the embedding's when its gradient has come back
+through every block stage. With several microbatches in flight, other microbatches'
+losses land in between, so each side is averaged over the microbatches that actually gave
+it a gradient (counted apart): dividing the output side's sum by the embedding's count
+would scale its gradient by however many losses happened to arrive before the step, a
+different number each step.
 
 Does not own routing, peers, or the wire; the daemon hands it tensors and ids.
 """
@@ -46,6 +55,16 @@ log = logging.getLogger(__name__)
 
 RATE_DECAY = 0.95
 """Per piece of work (a forward, a backward) decay of the service-rate sums: ~20 pieces."""
+
+
+def staleness_units(config: Config) -> int:
+    """Units of ``step_samples`` samples per inner step under ``train.staleness``: 1 for
+    ``stash``; for ``2bw`` the smallest ``k`` with ``k * step_samples >= max_in_flight *
+    data.batch_size`` (PipeDream-2BW's accumulation over the microbatches in flight)."""
+    t = config.train
+    if t.staleness != "2bw":
+        return 1
+    return max(1, -(-t.max_in_flight * config.data.batch_size // t.step_samples))
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -116,6 +135,9 @@ class StageRunner:
         self.module: HeadStage | BlockStage
         self.optimizer: torch.optim.Adam
         self.step = 0
+        """Inner steps taken, in units of ``step_samples`` samples (``step_units`` per step)."""
+        self.step_units = staleness_units(config)
+        """What one optimizer step counts in ``step``: 1, or k with ``train.staleness = 2bw``."""
         self.samples = 0
         self._acc_samples = 0
         self._acc_microbatches = 0
@@ -309,7 +331,7 @@ class StageRunner:
 
     def _maybe_step(self) -> None:
         """Step when enough samples are in, unless an outer synchronisation holds steps."""
-        if self.hold or self._acc_samples < self.train.step_samples:
+        if self.hold or self._acc_samples < self.step_units * self.train.step_samples:
             return
         if self.sync.method == "allreduce":
             # Data parallel: hand the averaged gradients to the ring; new ones keep coming.
@@ -318,7 +340,9 @@ class StageRunner:
             return
         stepped = self._optimizer_step()
         by_steps = self.sync.method in ("noloco", "diloco") and self.sync.schedule == "steps"
-        if stepped and by_steps and self.step % self.sync.outer_steps == 0:
+        h = self.sync.outer_steps  # a step of k units may cross a round's boundary
+        crossed = self.step // h > (self.step - self.step_units) // h
+        if stepped and by_steps and crossed:
             self.hold, self.sync_due = True, "outer"
 
     def begin_outer(self) -> None:
@@ -382,7 +406,7 @@ class StageRunner:
         if kept is not None:
             for p, held in zip(params, kept, strict=True):
                 p.grad = held
-        self.step += 1
+        self.step += self.step_units
         self._time_step()
         return True
 
@@ -390,7 +414,7 @@ class StageRunner:
         """Update ``step_s`` with the time since the previous step (or since a round ended)."""
         now = time.monotonic()
         if self._last_step_t is not None:
-            elapsed = now - self._last_step_t
+            elapsed = (now - self._last_step_t) / self.step_units  # per step_samples samples
             self.step_s = elapsed if not self.step_s else 0.8 * self.step_s + 0.2 * elapsed
         self._last_step_t = now
 
