@@ -14,7 +14,8 @@ a microbatch's gradient is applied ``in_flight - 1`` inner steps after its forwa
 weights it was made with (the runner's weight stashing), as in the daemon (PipeDream,
 arXiv 1806.03377, section 3.3; SWARM, arXiv 2301.11913, section 3). It reproduces in one
 process, deterministically, what asynchrony costs the live swarm. The window is also the
-runners' ``train.max_in_flight``, so ``train.staleness = "2bw"`` in ``config`` bounds the
+runners' ``train.max_in_flight`` (unless ``window`` says otherwise: a control with 2bw's
+inner steps and no staleness), so ``train.staleness = "2bw"`` in ``config`` bounds the
 staleness as the daemon would (an inner step per at least ``in_flight`` microbatches,
 ``node.stage.runner``).
 
@@ -78,11 +79,13 @@ class Curve:
 class SimulatedSwarm:
     """``replicas`` replicas of each of the ``1 + N`` stages of ``config``'s model."""
 
-    def __init__(self, config: Config, replicas: int, seed: int, in_flight: int = 1) -> None:
+    def __init__(
+        self, config: Config, replicas: int, seed: int, in_flight: int = 1, window: int = 0
+    ) -> None:
         sync = replace(config.sync, schedule="steps")  # equal replicas: the schedules agree
         self.in_flight = max(1, in_flight)
         # the emulated window is the runners' max_in_flight (train.staleness = 2bw reads it)
-        train = replace(config.train, max_in_flight=self.in_flight)
+        train = replace(config.train, max_in_flight=window or self.in_flight)
         swarm = replace(config.swarm, seed=seed)
         self.config = replace(config, sync=sync, swarm=swarm, train=train)
         self.num_replicas = replicas
@@ -230,12 +233,14 @@ def simulate(
     progress: Progress | None = None,
     milestones: list[int] | None = None,
     in_flight: int = 1,
+    window: int = 0,
 ) -> Curve:
     """Train the simulated swarm for ``tokens`` tokens, evaluating at the start and
     ``num_evals`` times on the way; or, with ``milestones``, at the first global step that
     reaches each of those token counts (those of another curve, to compare at equal tokens).
-    ``in_flight``: microbatches each head replica keeps in flight (``SimulatedSwarm``)."""
-    swarm = SimulatedSwarm(config, replicas, seed, in_flight)
+    ``in_flight``: microbatches each head replica keeps in flight, ``window``: the runners'
+    ``max_in_flight`` (0: ``in_flight``; ``SimulatedSwarm``)."""
+    swarm = SimulatedSwarm(config, replicas, seed, in_flight, window)
     curve = Curve(config.sync.method, seed, replicas)
     t0 = time.monotonic()
     done = 0
