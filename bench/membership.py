@@ -9,7 +9,9 @@ Per size ``n`` (8 stages, nodes spread evenly, 20 ms one way between any two):
   project's codec encodes them, plus ``HTTP_OVERHEAD_BYTES`` per exchange), mean and the
   busiest node.
 - **churn**: 1 % of the nodes replaced per minute (a random node vanishes without a word; a
-  new one joins through a random member): the same bytes, and per event the seconds until
+  new one joins through a random member; at least 5 times, over ``--churn-s`` or longer at
+  small sizes, where 1 % a minute is one node a minute or less): the same bytes, and per
+  event the seconds until
   a join is in every table of its neighbour stages (its own, the two next to it, and the
   head stage 0) and until a death has left every table.
 
@@ -106,6 +108,8 @@ def formed(n: int, config: MembershipConfig, seed: int, latency_s: float) -> Sim
     for node in nodes:
         for record in records:
             node.table.observe(record, sw.clock.now())
+    for node in nodes:  # a swarm that has run a while: refreshes out of step
+        node.out_of_step(sw.rng.random())
     return sw
 
 
@@ -142,8 +146,9 @@ async def measure(
         f"n={n}: steady {steady['kbit_per_node_per_s']:.1f} kbit/s per node, refresh_s {refresh_s:.0f}"
     )
 
-    # churn: a node vanishes and another joins every 60 / (0.01 n) seconds
+    # churn: a node vanishes and another joins every 60 / (0.01 n) seconds, 5 times at least
     every_s = 60.0 / max(1.0, 0.01 * n)
+    churn_s = max(churn_s, 5 * every_s)
     joins: dict[str, tuple[float, int]] = {}  # peer id -> (joined at, stage)
     deaths: dict[str, float] = {}
     join_s: list[float] = []
@@ -261,10 +266,20 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
     stages: dict[str, int] = {}
     pool = ThreadPoolExecutor(16)
 
+    taken: set[int] = set()
+
+    def port() -> int:  # free now, and not handed out before (nothing binds it until later)
+        while (p := free_port()) in taken:
+            pass
+        taken.add(p)
+        return p
+
     def start(i: int) -> str:
-        port = free_port()
-        address = swarm.start_node(1 + i % 6, extra=["--set", f"net.metrics_port={port}"])
-        metrics[address], stages[address] = port, 1 + i % 6
+        mport = port()
+        address = swarm.start_node(
+            1 + i % 6, port=port(), extra=["--set", f"net.metrics_port={mport}"]
+        )
+        metrics[address], stages[address] = mport, 1 + i % 6
         return address
 
     def statuses(addresses: list[str]) -> dict[str, dict[str, Any]]:
@@ -278,7 +293,7 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
         return {a: st for a, st in got.items() if st is not None}
 
     def knows(st: dict[str, Any], peer_id: str) -> bool:
-        return any(p["peer_id"] == peer_id for p in st["peers"])
+        return any(p["peer_id"] == peer_id for ps in st["peers"].values() for p in ps)
 
     try:
         live = [start(i) for i in range(n)]
@@ -286,12 +301,15 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
         for address in live:
             wait_ready(address, 600.0, swarm)
         deadline = time.monotonic() + 300
-        while True:
-            sts = statuses(live)
-            if len(sts) == n and all(len(st["peers"]) == n - 1 for st in sts.values()):
-                break
+        incomplete = set(live)
+        while incomplete:
+            for address, st in statuses(sorted(incomplete)).items():
+                if sum(len(ps) for ps in st["peers"].values()) == n - 1:
+                    incomplete.discard(address)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tables incomplete after 300 s; logs in {log_dir}")
+                raise RuntimeError(
+                    f"{len(incomplete)} tables incomplete after 300 s; logs in {log_dir}"
+                )
             time.sleep(1.0)
         time.sleep(10.0)  # joins spread, first refreshes
         before = dict(zip(live, pool.map(lambda a: scrape(metrics[a]), live), strict=True))

@@ -80,6 +80,9 @@ LOST_FORGET_S = 3600.0
 """How long a buried peer's address is greeted again before it is forgotten."""
 RECORD_BYTES = 250
 """About what one record costs on the wire (msgpack with field names), for the budget."""
+EXCHANGE_BYTES = 300
+"""About what HTTP adds to one request and its reply (request line, status line, headers):
+a push pays it, a piggyback rides on a ping sent anyway."""
 PIGGYBACK_MULT = 3
 """Each piece of news rides on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` messages per node (SWIM's
 lambda log n; hashicorp/memberlist uses a multiplier of 4 with 3 gossip targets)."""
@@ -117,7 +120,7 @@ class MembershipConfig:
     """Deadline of one ping (a probe through others gets twice as long, and a bit)."""
     request_timeout_s: float = 3.0
     """Deadline of one hello or leave, and of a push of news."""
-    budget_bytes_per_s: float = 4000.0
+    budget_bytes_per_s: float = 2500.0
     """Membership traffic per node that spreading everyone's changing figures (step,
     throughput...) may take, in and out together: it sets ``refresh_s`` from the swarm's size."""
     max_peers: int = 16384
@@ -159,6 +162,7 @@ class MembershipService:
         self._version = 0
         self._published: PeerRecord | None = None
         self._published_s = -math.inf
+        self._pace = 1.0  # this interval's share of refresh_s, drawn in [0.5, 1.5)
         self._news: dict[str, _News] = {}  # peer id -> the latest news about it to pass on
         self._push: asyncio.Task[None] | None = None
         self._order: list[str] = []  # this pass of the round-robin, next target last
@@ -198,35 +202,41 @@ class MembershipService:
         return replace(self.self_record(), incarnation=own.incarnation, version=own.version)
 
     def refresh_s(self) -> float:
-        """How often our changing figures are republished: everyone's figures, each sent
-        ``sends`` times by every node that takes it, in and out, within the budget."""
+        """How often our changing figures are republished: everyone's figures, each pushed
+        ``fanout`` times and piggybacked by every node that takes it, in and out, within
+        the budget."""
         n = len(self.table) + 1
-        cost = n * self._sends(n) * RECORD_BYTES * 2
-        return max(self.config.heartbeat_s, cost / self.config.budget_bytes_per_s)
+        pushes = min(self.config.fanout, max(1, n - 1))
+        per_node = pushes * (RECORD_BYTES + EXCHANGE_BYTES) + self._piggybacks(n) * RECORD_BYTES
+        return max(self.config.heartbeat_s, n * per_node * 2 / self.config.budget_bytes_per_s)
 
     def _publish(self, record: PeerRecord, now: float) -> None:
         self._version += 1
         self._published = replace(record, incarnation=self._incarnation, version=self._version)
         self._published_s = now
+        self._pace = 0.5 + self.rng.random()  # so that nodes started together drift apart
         self._tell(self._published)
+
+    def out_of_step(self, fraction: float) -> None:
+        """Date our last publication ``fraction`` of the way through the current refresh
+        interval (a simulation starting a swarm that has run for a while, its nodes'
+        refreshes out of step)."""
+        self.own()
+        self._published_s = self.clock.now() - fraction * self._pace * self.refresh_s()
 
     def _refresh(self, now: float) -> None:
         record = self.self_record()
         published = self.own()
-        if now - self._published_s >= self.refresh_s() and record != replace(
+        if now - self._published_s >= self._pace * self.refresh_s() and record != replace(
             published, incarnation=record.incarnation, version=record.version
         ):
             self._publish(record, now)
 
     # -- news ------------------------------------------------------------------------------
 
-    def _sends(self, n: int) -> int:
-        """Times one node passes on one piece of news: a push to ``fanout`` members, then
-        piggybacked on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` pings and replies."""
-        return min(self.config.fanout, max(1, n - 1)) + self._piggybacks(n)
-
     @staticmethod
     def _piggybacks(n: int) -> int:
+        """Pings and replies one piece of news rides on, per node."""
         return PIGGYBACK_MULT * max(1, math.ceil(math.log10(n + 1)))
 
     def _tell(self, item: PeerRecord | Obituary) -> None:
@@ -255,10 +265,11 @@ class MembershipService:
         while True:
             items = [n for n in self._news.values() if not n.pushed][:MAX_NEWS]
             members = self.table.records()
-            if not items or not members:
-                return
             for news in items:
-                news.pushed = True
+                news.pushed = True  # to nobody when we know nobody: it still rides on pings
+            if not items or not members:
+                self._drop_spent(items)
+                return
             self._drop_spent(items)
             news_, deaths = _split(items)
             msg = Ping(sender=self.table.self_id, news=news_, deaths=deaths)

@@ -31,10 +31,10 @@ from protocol.messages import (
     Probe,
     encode_message,
 )
-from swarm.membership import MembershipService
+from swarm.membership import EXCHANGE_BYTES, MembershipService
 from swarm.seams import Refused, TransportError
 
-HTTP_OVERHEAD_BYTES = 300
+HTTP_OVERHEAD_BYTES = EXCHANGE_BYTES
 """Bytes an exchange costs beyond its two frames: request line and headers, status line and
 headers (about what aiohttp sends for ``POST /rpc``), TCP/IP headers left out."""
 

@@ -11,6 +11,7 @@ import pytest
 
 from protocol.messages import Hello, Obituary, PeerRecord, Ping, Probe
 from swarm.membership import (
+    EXCHANGE_BYTES,
     LOST_FORGET_S,
     LOST_RETRY_MAX_S,
     RECORD_BYTES,
@@ -244,16 +245,18 @@ async def test_a_buried_peer_is_greeted_with_backoff_then_forgotten() -> None:
 
 
 def test_refresh_interval_fits_everyones_figures_into_the_budget() -> None:
-    # n = 1000 members and us, fanout 8, 3 * ceil(log10(1002)) = 12 piggybacks: each record
-    # crosses a node 20 times, in and out: 1001 * 20 * 250 * 2 / 4000 B/s = 2502.5 s.
+    # n = 1000 members and us, fanout 8, 3 * ceil(log10(1002)) = 12 piggybacks: a record
+    # costs a node 8 pushes of (250 + 300 HTTP) bytes and 12 piggybacks of 250, in and out:
+    # 1001 * (8 * 550 + 12 * 250) * 2 / 4000 B/s = 3703.7 s.
     net = SimNet(SimClock())
     svc = make(net, 0)
     svc.config = MembershipConfig(fanout=8, budget_bytes_per_s=4000.0)
     for i in range(1, 1001):
         svc.table.observe(PeerRecord(f"q{i}", f"10.1.{i // 250}.{i % 250}:1", 1), 0.0)
-    assert svc.refresh_s() == pytest.approx(1001 * 20 * RECORD_BYTES * 2 / 4000.0)
-    small = make(net, 1)  # alone: republished every heartbeat
-    assert small.refresh_s() == 1.0
+    assert svc.refresh_s() == pytest.approx(1001 * (8 * 550 + 12 * 250) * 2 / 4000.0)
+    assert RECORD_BYTES == 250 and EXCHANGE_BYTES == 300
+    small = make(net, 1)  # alone: 1 push, 3 piggybacks against the default 2500 B/s
+    assert small.refresh_s() == pytest.approx(max(1.0, (550 + 3 * 250) * 2 / 2500.0))
 
 
 async def test_a_quiet_swarm_costs_the_same_per_node_at_any_size() -> None:
