@@ -142,6 +142,9 @@ class Ping(Message):
     sender: str
     news: list[PeerRecord] = field(default_factory=list)
     deaths: list[Obituary] = field(default_factory=list)
+    ask_record: bool = True
+    """Whether the reply should carry the replier's record (a probe); a push of news does
+    not need it."""
 
 
 @dataclass(frozen=True)

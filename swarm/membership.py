@@ -82,7 +82,7 @@ RECORD_BYTES = 250
 """About what one record costs on the wire (msgpack with field names), for the budget."""
 EXCHANGE_BYTES = 300
 """About what HTTP adds to one request and its reply (request line, status line, headers):
-a push pays it, a piggyback rides on a ping sent anyway."""
+a push pays it (its reply carries no record), a piggyback rides on a ping sent anyway."""
 PIGGYBACK_MULT = 3
 """Each piece of news rides on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` messages per node (SWIM's
 lambda log n; hashicorp/memberlist uses a multiplier of 4 with 3 gossip targets)."""
@@ -120,7 +120,7 @@ class MembershipConfig:
     """Deadline of one ping (a probe through others gets twice as long, and a bit)."""
     request_timeout_s: float = 3.0
     """Deadline of one hello or leave, and of a push of news."""
-    budget_bytes_per_s: float = 2500.0
+    budget_bytes_per_s: float = 2000.0
     """Membership traffic per node that spreading everyone's changing figures (step,
     throughput...) may take, in and out together: it sets ``refresh_s`` from the swarm's size."""
     max_peers: int = 16384
@@ -272,7 +272,7 @@ class MembershipService:
                 return
             self._drop_spent(items)
             news_, deaths = _split(items)
-            msg = Ping(sender=self.table.self_id, news=news_, deaths=deaths)
+            msg = Ping(self.table.self_id, news_, deaths, ask_record=False)
             targets = self.rng.sample(members, min(self.config.fanout, len(members)))
             timeout_s, start = self.config.request_timeout_s, self.clock.now()
             answered = await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
@@ -553,7 +553,8 @@ class MembershipService:
         self.table.heard_from(ping.sender, self.clock.now())
         self._take(ping.news, ping.deaths, ping.sender)
         news, deaths = self._piggyback()
-        return Pong(sender=self.current(), news=news, deaths=deaths)
+        sender = self.current() if ping.ask_record else None
+        return Pong(sender=sender, news=news, deaths=deaths)
 
     async def handle_probe(self, probe: Probe) -> Pong:
         """Ping a member for a member whose own ping did not reach it."""

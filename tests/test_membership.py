@@ -255,8 +255,8 @@ def test_refresh_interval_fits_everyones_figures_into_the_budget() -> None:
         svc.table.observe(PeerRecord(f"q{i}", f"10.1.{i // 250}.{i % 250}:1", 1), 0.0)
     assert svc.refresh_s() == pytest.approx(1001 * (8 * 550 + 12 * 250) * 2 / 4000.0)
     assert RECORD_BYTES == 250 and EXCHANGE_BYTES == 300
-    small = make(net, 1)  # alone: 1 push, 3 piggybacks against the default 2500 B/s
-    assert small.refresh_s() == pytest.approx(max(1.0, (550 + 3 * 250) * 2 / 2500.0))
+    small = make(net, 1)  # alone: 1 push, 3 piggybacks against the default 2000 B/s
+    assert small.refresh_s() == pytest.approx(max(1.0, (550 + 3 * 250) * 2 / 2000.0))
 
 
 async def test_a_quiet_swarm_costs_the_same_per_node_at_any_size() -> None:
