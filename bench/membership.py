@@ -408,11 +408,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--real", type=int, default=0, help="also this many real processes")
     ap.add_argument("--events", type=int, default=3, help="deaths and joins among them")
-    ap.add_argument("--quick", action="store_true", help="sizes 20,60, short phases")
+    ap.add_argument("--quick", action="store_true", help="sizes 20,60, a short churn")
     ap.add_argument("--out", type=Path, default=RESULTS / "membership.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.steady_s, args.churn_s = "20,60", 10.0, 30.0
+        args.sizes, args.steady_s, args.churn_s = "20,60", 120.0, 30.0
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         started = time.monotonic()

@@ -18,8 +18,9 @@ def test_the_simulated_swarm_costs_the_same_per_node_and_news_is_fast(tmp_path: 
     assert json.loads(out.read_text()) == result and out.with_suffix(".png").exists()
     small, large = result["simulated"]
     assert (small["n"], large["n"]) == (20, 60)
-    # a quiet swarm: traffic per node does not grow with the swarm (the budget holds it)
-    assert large["bytes_per_node_per_s"] < 1.3 * small["bytes_per_node_per_s"]
+    # a quiet swarm: traffic per node does not grow with the swarm (the budget holds it; the
+    # refreshes in 120 s are a few dozen, hence the margin; whole tables would be 3 times)
+    assert large["bytes_per_node_per_s"] < 1.5 * small["bytes_per_node_per_s"]
     assert large["bytes_per_node_per_s"] * 8 < membership.TARGET_BITS_PER_S
     ttl = result["config"]["ttl_s"]
     for row in (small, large):
