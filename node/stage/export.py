@@ -263,15 +263,21 @@ def export_model(
 # Load back
 
 
-def read_info(model_dir: str | Path) -> ExportInfo:
-    """``config.json`` of an export, checked; ``ValueError`` for anything else."""
+def _read_config(model_dir: str | Path) -> tuple[Path, Any]:
+    """The path of an export's ``config.json`` and its JSON; ``ValueError`` when it is
+    missing or unreadable."""
     path = Path(model_dir) / CONFIG_FILE
     try:
-        doc = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{model_dir} is not an exported model: no {CONFIG_FILE}") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: unreadable ({e})") from None
+
+
+def read_info(model_dir: str | Path) -> ExportInfo:
+    """``config.json`` of an export, checked; ``ValueError`` for anything else."""
+    path, doc = _read_config(model_dir)
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         raise ValueError(f"{path}: not a Murmuration export (format {doc.get('format')!r})")
     if doc.get("version") != EXPORT_VERSION:
@@ -329,13 +335,7 @@ def load_export_tokenizer(model_dir: str | Path, info: ExportInfo) -> ByteTokeni
 def load_model(model_dir: str | Path) -> tuple[FullModel, ByteTokenizer | HFTokenizer]:
     """The model and tokenizer of a directory written by ``node export`` in either format (a
     Hugging Face Llama checkpoint is recognised by its ``config.json``'s ``model_type``)."""
-    path = Path(model_dir) / CONFIG_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{model_dir} is not an exported model: no {CONFIG_FILE}") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable ({e})") from None
+    _, doc = _read_config(model_dir)
     if isinstance(doc, dict) and "model_type" in doc:
         model, ckpt = hf.load_checkpoint(model_dir)
         return model, HFTokenizer(ckpt.tokenizer)
