@@ -25,7 +25,9 @@ Protocol"), ``docs/algorithms.md`` section 11:
   is buried and its ``Obituary`` spread. A member that hears its own obituary (a false
   alarm) publishes a higher ``incarnation`` (SWIM's), which outranks it: an obituary buries
   every record of its incarnation or below, so a prober that held an older version of a
-  dead peer's record still buries the newer ones others hold. ``Leave`` buries at once.
+  dead peer's record still buries the newer ones others hold; a node holding a newer
+  incarnation than an obituary's probes the member at once and buries it if nothing
+  reaches it. ``Leave`` buries at once.
 - The address of a peer that was buried (not one that left) is greeted again, with a
   backoff from ``ttl_s`` up to ``LOST_RETRY_MAX_S``, for ``LOST_FORGET_S``: after a network
   partition heals, that is how the two sides find each other again when nothing else would.
@@ -309,6 +311,11 @@ class MembershipService:
                     self._publish(self.self_record(), now)
                 continue
             held = self.table.get(death.peer_id)
+            if held is not None and held.incarnation > death.incarnation:
+                # its prober held an older incarnation: probe it ourselves now, and bury it
+                # at once if nothing reaches it (the prober has waited ttl_s already)
+                self._missing.setdefault(death.peer_id, now - self.config.ttl_s)
+                continue
             if self.table.bury(death.peer_id, death.incarnation, now):
                 if held is not None:
                     log.info("peer %s %s", death.peer_id[:8], "left" if death.left else "gone")

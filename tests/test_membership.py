@@ -270,3 +270,21 @@ async def test_a_quiet_swarm_costs_the_same_per_node_at_any_size() -> None:
         await sw.close()
     assert per_node[48] < 1.5 * per_node[8], per_node
     assert per_node[48] < 2000, per_node  # a ping and its pong a second, and rare refreshes
+
+
+async def test_an_obituary_of_an_older_incarnation_is_checked_at_once() -> None:
+    sw, nodes = await joined(5)
+    victim, holder = nodes[4], nodes[1]
+    stale = victim.own().incarnation
+    victim._incarnation += 1  # it answered a false alarm that `holder` heard of, others not
+    victim._publish(victim.self_record(), sw.clock.t)
+    holder.table.observe(victim.own(), sw.clock.t)
+    assert holder.table.incarnation("p4") == stale + 1
+    sw.kill(victim)
+    start = sw.clock.t
+    holder.handle_ping(Ping(sender="p0", deaths=[Obituary("p4", stale)]))
+    assert "p4" in holder.table  # not on a stale word alone
+    while "p4" in holder.table:
+        await sw.run_for(0.1)
+    assert sw.clock.t - start < 5.0  # one probe round, not ttl_s more
+    await sw.close()
