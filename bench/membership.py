@@ -52,8 +52,12 @@ def say(text: str) -> None:
 
 
 class SimSwarm:
-    def __init__(self, config: MembershipConfig, seed: int, latency_s: float) -> None:
+    def __init__(
+        self, config: MembershipConfig, seed: int, latency_s: float, idle: bool = False
+    ) -> None:
         self.config = config
+        self.idle = idle
+        """Figures that never change (as an idle daemon's): nothing to republish."""
         self.clock = SimClock()
         self.net = SimNet(self.clock, latency_s)
         self.rng = random.Random(seed)
@@ -74,7 +78,9 @@ class SimSwarm:
             table=PeerTable(base.peer_id, self.config.ttl_s, self.config.max_peers),
             transport=self.net.transport(address),
             clock=clock,
-            self_record=lambda: replace(base, step=int(clock.now())),
+            self_record=(lambda: base)
+            if self.idle
+            else lambda: replace(base, step=int(clock.now())),
             rng=random.Random(self.rng.random()),
         )
         self.net.nodes[address] = svc
@@ -100,9 +106,11 @@ class SimSwarm:
         return {a: (net.sent[a] + net.received[a], net.overhead[a]) for a in self.nodes}
 
 
-def formed(n: int, config: MembershipConfig, seed: int, latency_s: float) -> SimSwarm:
+def formed(
+    n: int, config: MembershipConfig, seed: int, latency_s: float, idle: bool = False
+) -> SimSwarm:
     """``n`` nodes whose tables already hold everyone (what joining ends in)."""
-    sw = SimSwarm(config, seed, latency_s)
+    sw = SimSwarm(config, seed, latency_s, idle)
     nodes = [sw.new() for _ in range(n)]
     records = [node.own() for node in nodes]
     for node in nodes:
@@ -129,10 +137,11 @@ def rate(
 
 
 async def measure(
-    n: int, steady_s: float, churn_s: float, seed: int, latency_s: float
+    n: int, steady_s: float, churn_s: float, seed: int, latency_s: float, idle: bool = False
 ) -> dict[str, Any]:
+    """One size's steady and churn figures (steady only with ``churn_s`` 0)."""
     config = MembershipConfig(max_peers=max(16384, 2 * n))
-    sw = formed(n, config, seed, latency_s)
+    sw = formed(n, config, seed, latency_s, idle)
     for svc in list(sw.nodes.values()):
         sw.start(svc)
     clock = sw.clock
@@ -145,6 +154,10 @@ async def measure(
     say(
         f"n={n}: steady {steady['kbit_per_node_per_s']:.1f} kbit/s per node, refresh_s {refresh_s:.0f}"
     )
+
+    if churn_s <= 0:
+        await sw.close()
+        return {"n": n, **steady, "refresh_s": round(refresh_s, 1), "idle": idle}
 
     # churn: a node vanishes and another joins every 60 / (0.01 n) seconds, 5 times at least
     every_s = 60.0 / max(1.0, 0.01 * n)
@@ -372,6 +385,13 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
         pool.shutdown()
 
 
+def real_against_sim(n: int, steady_s: float, events: int, latency_ms: float) -> dict[str, Any]:
+    """The real processes' figures beside the simulation's of the same idle swarm."""
+    row = measure_real(n, steady_s, events, latency_ms)
+    sim = asyncio.run(measure(n, steady_s, 0.0, 0, latency_ms / 1e3, idle=True))
+    return {**row, "simulated_idle": sim}
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -450,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "churn_s": args.churn_s,
         },
         "simulated": rows,
-        "real": [measure_real(args.real, args.steady_s, args.events, args.latency_ms)]
+        "real": [real_against_sim(args.real, args.steady_s, args.events, args.latency_ms)]
         if args.real
         else [],
     }
