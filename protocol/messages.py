@@ -145,6 +145,11 @@ class Ping(Message):
     ask_record: bool = True
     """Whether the reply should carry the replier's record (a probe); a push of news does
     not need it."""
+    incarnation: int = 0
+    version: int = 0
+    """The sender's own record's incarnation and version: a receiver holding an older one
+    pings it back for the record (a relayed record may not change the address or relays of
+    a peer heard from directly, so only its own word brings them)."""
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,7 @@ class MembershipService:
                 return
             self._drop_spent(items)
             news_, deaths = _split(items)
-            msg = Ping(self.table.self_id, news_, deaths, ask_record=False)
+            msg = self._ping_msg(news_, deaths, ask_record=False)
             targets = self.rng.sample(members, min(self.config.fanout, len(members)))
             timeout_s, start = self.config.request_timeout_s, self.clock.now()
             answered = await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
@@ -285,11 +285,12 @@ class MembershipService:
     def _take(
         self, news: list[PeerRecord], deaths: list[Obituary], via: str, spread: bool = True
     ) -> None:
-        """Merge news from a member and pass on what was new (what a greeting brings is
-        merged, not passed on: a newcomer would repeat the whole swarm)."""
+        """Merge news from a member (``via``: what it says of itself is its own word) and
+        pass on what was new (what a greeting brings is merged, not passed on: a newcomer
+        would repeat the whole swarm)."""
         now = self.clock.now()
         for record in news:
-            outcome = self.table.observe(record, now)
+            outcome = self.table.observe(record, now, direct=record.peer_id == via)
             if outcome is None or not spread:
                 if outcome == NEW:
                     log.debug("learned of peer %s from %s's table", record.peer_id[:8], via[:8])
@@ -387,7 +388,7 @@ class MembershipService:
         if record is None:
             return
         start = self.clock.now()
-        if await self._ping(record, Ping(self.table.self_id, *self._piggyback())):
+        if await self._ping(record, self._ping_msg(*self._piggyback())):
             self._missing.pop(peer_id, None)
             self._others_missed.discard(peer_id)
             return
@@ -429,6 +430,19 @@ class MembershipService:
             return True
 
         return any(await asyncio.gather(*(through(h) for h in helpers)))
+
+    def _ping_msg(
+        self, news: list[PeerRecord], deaths: list[Obituary], ask_record: bool = True
+    ) -> Ping:
+        own = self.own()
+        return Ping(
+            self.table.self_id,
+            news,
+            deaths,
+            ask_record=ask_record,
+            incarnation=own.incarnation,
+            version=own.version,
+        )
 
     async def _ping(self, record: PeerRecord, msg: Ping, timeout_s: float | None = None) -> bool:
         """Ping a member; True if it answered (its news taken)."""
@@ -559,6 +573,12 @@ class MembershipService:
             # else a member we buried answers the false alarm with a higher incarnation
         self.table.heard_from(ping.sender, self.clock.now())
         self._take(ping.news, ping.deaths, ping.sender)
+        held = self.table.get(ping.sender)
+        if held is not None and (held.incarnation, held.version) < (
+            ping.incarnation,
+            ping.version,
+        ):
+            self._spawn(self._probe_once(ping.sender))  # its reply brings its own record
         news, deaths = self._piggyback()
         sender = self.current() if ping.ask_record else None
         return Pong(sender=sender, news=news, deaths=deaths)
@@ -570,7 +590,7 @@ class MembershipService:
         record = self.table.get(probe.target)
         if record is None:
             raise Refused("unknown_target", f"this node holds no peer {probe.target[:16]}", 404)
-        if not await self._ping(record, Ping(self.table.self_id, *self._piggyback())):
+        if not await self._ping(record, self._ping_msg(*self._piggyback())):
             raise Refused("unreachable", f"peer {probe.target[:16]} did not answer", 504)
         return Pong()
 

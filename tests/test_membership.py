@@ -288,3 +288,16 @@ async def test_an_obituary_of_an_older_incarnation_is_checked_at_once() -> None:
         await sw.run_for(0.1)
     assert sw.clock.t - start < 5.0  # one probe round, not ttl_s more
     await sw.close()
+
+
+async def test_new_relays_reach_a_member_that_hears_from_the_peer_directly() -> None:
+    # relayed news may not move a peer heard from directly; its own word must bring it
+    sw, nodes = await joined(4)
+    mover = nodes[3]
+    record = mover.self_record()
+    moved = replace(record, relays=["10.9.9.9:7070"])
+    mover.self_record = lambda: moved  # type: ignore[method-assign]
+    await sw.run_for(6.0)
+    for node in nodes[:3]:
+        assert node.table.get("p3").relays == ["10.9.9.9:7070"]  # type: ignore[union-attr]
+    await sw.close()
