@@ -403,22 +403,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(ns, [r["kbit_per_node_per_s"] for r in rows], "o-", label="steady")
     ax1.plot(ns, [r["churn"]["kbit_per_node_per_s"] for r in rows], "s-", label="1 %/min churn")
-    before = result.get("before", [])
-    if before:
-        ax1.plot(
-            [r["n"] for r in before],
-            [r["bytes_per_node_per_s"] * 8 / 1000 for r in before],
-            "x:",
-            label="before: whole tables",
-        )
     real = [r for r in result.get("real", []) if "bytes_per_node_per_s" in r]
-    if real:
-        ax1.plot(
-            [r["n"] for r in real],
-            [r["bytes_per_node_per_s"] * 8 / 1000 for r in real],
-            "D",
-            label="real processes (idle)",
-        )
+    for extra, style, label in (
+        (result.get("before", []), "x:", "before: whole tables"),
+        (real, "D", "real processes (idle)"),
+    ):
+        if extra:
+            kbit = [r["bytes_per_node_per_s"] * 8 / 1000 for r in extra]
+            ax1.plot([r["n"] for r in extra], kbit, style, label=label)
     ax1.axhline(TARGET_BITS_PER_S / 1000, color="grey", ls="--", label="target 50 kbit/s")
     ax1.set(xscale="log", yscale="log", xlabel="nodes", ylabel="kbit/s per node (in + out)")
     ax1.set_title("membership traffic per node")
