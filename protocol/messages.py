@@ -150,6 +150,9 @@ class Ping(Message):
     """The sender's own record's incarnation and version: a receiver holding an older one
     pings it back for the record (a relayed record may not change the address or relays of
     a peer heard from directly, so only its own word brings them)."""
+    pull: bool = False
+    """A ping back for the replier's record alone: the reply carries no news (news rides
+    on a few messages per node, and these would spend them on a node that just spoke)."""
 
 
 @dataclass(frozen=True)

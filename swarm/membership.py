@@ -85,9 +85,10 @@ RECORD_BYTES = 250
 EXCHANGE_BYTES = 300
 """About what HTTP adds to one request and its reply (request line, status line, headers):
 a push pays it (its reply carries no record), a piggyback rides on a ping sent anyway."""
-PIGGYBACK_MULT = 3
+PIGGYBACK_MULT = 4
 """Each piece of news rides on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` messages per node (SWIM's
-lambda log n; hashicorp/memberlist uses a multiplier of 4 with 3 gossip targets)."""
+lambda log n; hashicorp/memberlist uses a multiplier of 4 with 3 gossip targets; with 3 a
+death went unheard by one node of 60 in the benchmark's smoke run)."""
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
 PUSH_DELAY_S = 0.1
@@ -285,12 +286,11 @@ class MembershipService:
     def _take(
         self, news: list[PeerRecord], deaths: list[Obituary], via: str, spread: bool = True
     ) -> None:
-        """Merge news from a member (``via``: what it says of itself is its own word) and
-        pass on what was new (what a greeting brings is merged, not passed on: a newcomer
-        would repeat the whole swarm)."""
+        """Merge news from a member and pass on what was new (what a greeting brings is
+        merged, not passed on: a newcomer would repeat the whole swarm)."""
         now = self.clock.now()
         for record in news:
-            outcome = self.table.observe(record, now, direct=record.peer_id == via)
+            outcome = self.table.observe(record, now)
             if outcome is None or not spread:
                 if outcome == NEW:
                     log.debug("learned of peer %s from %s's table", record.peer_id[:8], via[:8])
@@ -430,6 +430,9 @@ class MembershipService:
             return True
 
         return any(await asyncio.gather(*(through(h) for h in helpers)))
+
+    async def _ask_back(self, record: PeerRecord) -> None:
+        await self._ping(record, replace(self._ping_msg([], []), pull=True))
 
     def _ping_msg(
         self, news: list[PeerRecord], deaths: list[Obituary], ask_record: bool = True
@@ -578,8 +581,9 @@ class MembershipService:
             ping.incarnation,
             ping.version,
         ):
-            self._spawn(self._probe_once(ping.sender))  # its reply brings its own record
-        news, deaths = self._piggyback()
+            # its reply brings its own record (a plain ping: no suspicion if it fails)
+            self._spawn(self._ask_back(held))
+        news, deaths = ([], []) if ping.pull else self._piggyback()
         sender = self.current() if ping.ask_record else None
         return Pong(sender=sender, news=news, deaths=deaths)
 

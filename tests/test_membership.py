@@ -245,18 +245,18 @@ async def test_a_buried_peer_is_greeted_with_backoff_then_forgotten() -> None:
 
 
 def test_refresh_interval_fits_everyones_figures_into_the_budget() -> None:
-    # n = 1000 members and us, fanout 8, 3 * ceil(log10(1002)) = 12 piggybacks: a record
-    # costs a node 8 pushes of (250 + 300 HTTP) bytes and 12 piggybacks of 250, in and out:
-    # 1001 * (8 * 550 + 12 * 250) * 2 / 4000 B/s = 3703.7 s.
+    # n = 1000 members and us, fanout 8, 4 * ceil(log10(1002)) = 16 piggybacks: a record
+    # costs a node 8 pushes of (250 + 300 HTTP) bytes and 16 piggybacks of 250, in and out:
+    # 1001 * (8 * 550 + 16 * 250) * 2 / 4000 B/s = 4204.2 s.
     net = SimNet(SimClock())
     svc = make(net, 0)
     svc.config = MembershipConfig(fanout=8, budget_bytes_per_s=4000.0)
     for i in range(1, 1001):
         svc.table.observe(PeerRecord(f"q{i}", f"10.1.{i // 250}.{i % 250}:1", 1), 0.0)
-    assert svc.refresh_s() == pytest.approx(1001 * (8 * 550 + 12 * 250) * 2 / 4000.0)
+    assert svc.refresh_s() == pytest.approx(1001 * (8 * 550 + 16 * 250) * 2 / 4000.0)
     assert RECORD_BYTES == 250 and EXCHANGE_BYTES == 300
-    small = make(net, 1)  # alone: 1 push, 3 piggybacks against the default 2000 B/s
-    assert small.refresh_s() == pytest.approx(max(1.0, (550 + 3 * 250) * 2 / 2000.0))
+    small = make(net, 1)  # alone: 1 push, 4 piggybacks against the default 2000 B/s
+    assert small.refresh_s() == pytest.approx(max(1.0, (550 + 4 * 250) * 2 / 2000.0))
 
 
 async def test_a_quiet_swarm_costs_the_same_per_node_at_any_size() -> None:
