@@ -286,11 +286,13 @@ class MembershipService:
     def _take(
         self, news: list[PeerRecord], deaths: list[Obituary], via: str, spread: bool = True
     ) -> None:
-        """Merge news from a member and pass on what was new (what a greeting brings is
-        merged, not passed on: a newcomer would repeat the whole swarm)."""
+        """Merge news from a member (``via``: what it says of itself is its own word, the
+        only way a NATed member's new relays reach a peer that dials its old address) and
+        pass on what was new (what a greeting brings is merged, not passed on: a newcomer
+        would repeat the whole swarm)."""
         now = self.clock.now()
         for record in news:
-            outcome = self.table.observe(record, now)
+            outcome = self.table.observe(record, now, direct=record.peer_id == via)
             if outcome is None or not spread:
                 if outcome == NEW:
                     log.debug("learned of peer %s from %s's table", record.peer_id[:8], via[:8])
