@@ -180,7 +180,9 @@ class MembershipService:
     def own(self) -> PeerRecord:
         """Our record as last published; a change that matters to others
         (anything but the figures) is published at once."""
-        record = self.self_record()
+        return self._own(self.self_record())
+
+    def _own(self, record: PeerRecord) -> PeerRecord:
         if self._published is None or _essentials(record) != _essentials(self._published):
             self._publish(record, self.clock.now())
         assert self._published is not None
@@ -201,8 +203,9 @@ class MembershipService:
         """Our record with its figures of the moment, as the published one otherwise: what
         we tell a peer directly (it takes figures from us at any time, news only when the
         record is newer)."""
-        own = self.own()
-        return replace(self.self_record(), incarnation=own.incarnation, version=own.version)
+        record = self.self_record()  # built once: the daemon makes it anew each call
+        own = self._own(record)
+        return replace(record, incarnation=own.incarnation, version=own.version)
 
     def refresh_s(self) -> float:
         """How often our changing figures are republished: everyone's figures, each pushed
