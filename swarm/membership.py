@@ -21,8 +21,10 @@ Protocol"), ``docs/algorithms.md`` section 11:
 - **Failure detection.** Every ``heartbeat_s`` (jittered) a node pings the next member of a
   shuffled round-robin list (every member is pinged within one pass). A member that does
   not answer is probed through ``indirect_probes`` others (a ``Probe``: maybe only our path
-  to it is broken) and pinged again every round; one that no probe reaches for ``ttl_s``
-  is buried and its ``Obituary`` spread. A member that hears its own obituary (a false
+  to it is broken) and pinged again every round; one that no probe reaches for ``ttl_s``,
+  and that has not spoken to the prober itself in that time, is buried and its
+  ``Obituary`` spread (a member's own ping is proof of life: a node behind a NAT with no
+  relay yet can be heard though not dialled). A member that hears its own obituary (a false
   alarm) publishes a higher ``incarnation`` (SWIM's), which outranks it: an obituary buries
   every record of its incarnation or below, so a prober that held an older version of a
   dead peer's record still buries the newer ones others hold; a node holding a newer
@@ -398,6 +400,11 @@ class MembershipService:
             self._others_missed.discard(peer_id)
             return
         since = self._missing.setdefault(peer_id, start)
+        silent_s = self.table.silent_s(peer_id, self.clock.now())
+        if silent_s is not None and silent_s < self.config.ttl_s:
+            # it spoke to us lately (its own ping): alive, though we cannot dial it (behind
+            # a NAT with no relay yet); others could not either. Pinged again next round.
+            return
         if peer_id not in self._others_missed or not self._bury_if_due(record, since):
             if await self._probe_through_others(record):
                 self._missing.pop(peer_id, None)

@@ -136,6 +136,13 @@ class PeerTable:
         entry = self._entries.get(peer_id)
         return None if entry is None else entry.record.incarnation
 
+    def silent_s(self, peer_id: str, now: float) -> float | None:
+        """Seconds since the peer itself last spoke to us (None: never, or not held)."""
+        entry = self._entries.get(peer_id)
+        if entry is None or entry.direct_s is None:
+            return None
+        return now - entry.direct_s
+
     def age_s(self, peer_id: str, now: float) -> float | None:
         """Seconds since the peer's current record reached us, or since it last spoke to
         us directly, whichever is later."""

@@ -301,3 +301,24 @@ async def test_new_relays_reach_a_member_that_hears_from_the_peer_directly() -> 
     for node in nodes[:3]:
         assert node.table.get("p3").relays == ["10.9.9.9:7070"]  # type: ignore[union-attr]
     await sw.close()
+
+
+async def test_a_member_that_cannot_be_dialled_but_pings_stays_alive() -> None:
+    # a node behind a NAT with no relay: nobody reaches its address, its own pings get out
+    sw, nodes = await joined(4)
+    for node in nodes:  # the default: a member pings each of 3 others within 6 s
+        node.config = replace(node.config, ttl_s=8.0)
+    natted = nodes[3].self_record().address
+    real = sw.net.reachable
+    sw.net.reachable = lambda src, dst: real(src, dst) and dst != natted  # type: ignore[method-assign]
+    await sw.run_for(40.0)
+    for node in nodes[:3]:
+        assert "p3" in node.table and node.num_buried == 0
+    assert nodes[3]._incarnation == 1  # never told it was gone (it would answer with 2)
+    # once it stops speaking too, it is gone within ttl_s and a few rounds
+    sw.kill(nodes[3])
+    start = sw.clock.t
+    while any("p3" in n.table for n in nodes[:3]):
+        await sw.run_for(0.1)
+        assert sw.clock.t - start < 8.0 + 5.0, "still in a table"
+    await sw.close()
