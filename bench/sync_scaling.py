@@ -9,7 +9,8 @@ Modelled: a latency/bandwidth model with two fitted constants (per-message overh
 and per-byte processing cost ``k``), least-squares fitted to the measurements, with the
 fit error reported, then extended to N = 1024 along with a binary-tree all-reduce::
 
-    noloco = listen/2 + 2 (L + c) + 4 S (1/B + k)          one request and one reply, phi + delta each way
+    noloco = listen/2 + 4 (L + c) + 4 S (1/B + k)          a proposal and its answer, then the
+                                                           contributions (phi + delta) each way
     ring   = 2 (N-1) [2 (L + c) + S/N (1/B + k)]           every step waits for its chunk's acknowledgement
     tree   = 2 ceil(log2 N) [2 (L + c) + S (1/B + k)]      reduce up, broadcast down
 
@@ -93,7 +94,7 @@ def model(
 ) -> dict[str, float]:
     per = 1.0 / bw + k
     return {
-        "noloco_s": listen / 2 + 2 * (lat + c) + 4 * s_bytes * per,
+        "noloco_s": listen / 2 + 4 * (lat + c) + 4 * s_bytes * per,
         "ring_s": 2 * (n - 1) * (2 * (lat + c) + s_bytes / n * per),
         "tree_s": 2 * math.ceil(math.log2(n)) * (2 * (lat + c) + s_bytes * per) if n > 1 else 0.0,
     }
@@ -106,8 +107,8 @@ def fit(
     rows, ys = [], []
     for m in measured:
         n = m["n"]
-        rows.append((2.0, 4 * s_bytes))
-        ys.append(m["noloco_s"] - listen / 2 - 2 * lat - 4 * s_bytes / bw)
+        rows.append((4.0, 4 * s_bytes))
+        ys.append(m["noloco_s"] - listen / 2 - 4 * lat - 4 * s_bytes / bw)
         if m["ring_s"] is not None:
             rows.append((4.0 * (n - 1), 2 * (n - 1) * s_bytes / n))
             ys.append(m["ring_s"] - 2 * (n - 1) * (2 * lat + s_bytes / n / bw))

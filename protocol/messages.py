@@ -254,18 +254,22 @@ class StageState(Message):
 
 @dataclass(frozen=True)
 class GossipRequest(Message):
-    """NoLoCo: "pair with me for outer round ``round``"; carries the sender's contribution."""
+    """NoLoCo: "pair with me for outer round ``round``". A proposal (``propose``) carries
+    nothing and is answered by an empty ``GossipReply`` (a promise to take this sender's
+    contribution next); otherwise it carries the sender's contribution (``swarm.gossip``)."""
 
     TYPE: ClassVar[str] = "gossip_request"
     stage: int
     round: int
     sender: str
     meta: dict[str, Any]
+    propose: bool = False
 
 
 @dataclass(frozen=True)
 class GossipReply(Message):
-    """NoLoCo: the request is accepted; carries the replier's contribution."""
+    """NoLoCo: the request is accepted; carries the replier's contribution (nothing, when
+    it accepts a proposal)."""
 
     TYPE: ClassVar[str] = "gossip_reply"
     round: int

@@ -8,33 +8,46 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
 1. At its boundary a replica freezes its contribution (slow weights ``phi`` and
    pseudo-gradient ``theta - phi``) and becomes *seeking* for round ``r``. Its pipeline
    keeps running meanwhile; only its optimizer steps wait for the outer step.
-2. It listens for a short random time (``listen_s``): a request for round ``r`` already
+2. It listens for a short random time (``listen_s``): a proposal for round ``r`` already
    waiting here, or arriving now, is accepted (the earliest one).
-3. Otherwise it asks a random live replica not excluded this round, with a deadline.
-   The answer is one of:
-   - ``GossipReply`` with the partner's contribution: paired;
-   - ``busy``: the partner is paired already, or is asking someone else; try another
-     (it may be asked again later in the round: its own attempt may fail);
+3. Otherwise it *proposes* to a random live replica not excluded this round: a small
+   ``GossipRequest`` (``propose``) that carries no tensors, with a deadline. The answer is
+   one of:
+   - an empty ``GossipReply``: a promise. The proposer then sends its contribution in a
+     second ``GossipRequest`` and the partner's comes back in the ``GossipReply``: paired;
+   - ``busy``: the partner is paired or promised already, or is proposing to someone else;
+     try another (it may be asked again later in the round: its own attempt may fail);
    - ``not_ready``: the partner is behind and did not reach ``r`` in time; it too may be
      asked again;
    - ``stale``: the partner is past round ``r``; it is excluded for the round;
    - a timeout or an unreachable partner (it died, perhaps mid-exchange): excluded;
    before each new attempt it listens again, so a replica that was refused can still be
    claimed by someone else.
-4. A request for round ``r`` arriving at a replica that is
-   - seeking ``r`` with no request out, or with its request out *to that very sender*
-     (two replicas that chose each other): accepted, both sides pair once;
-   - seeking ``r`` but paired, or asking a third replica: ``busy`` (so three replicas that
-     choose each other in a cycle all hear ``busy`` and move on: no deadlock);
+   Agreeing first with a few bytes is what keeps the exchange's cost flat in the number of
+   replicas: a refusal costs a round trip, not an upload of twice the stage (issue 22
+   measured the one-message protocol at 0.67 s for N = 2 and 6.66 s for N = 8 with a
+   113 MB stage, most of it contributions sent to replicas that answered ``busy``).
+4. A proposal for round ``r`` arriving at a replica that is
+   - seeking ``r``, not promised to anyone, with no proposal out: accepted; the replica
+     is then *promised* and waits for that sender's contribution (at most
+     ``request_timeout_s``) instead of proposing. Two replicas that proposed to each other
+     (each finds its own proposal out *to that very sender*) settle it by peer id: the
+     larger accepts, the smaller answers ``busy`` and its own proposal is the one accepted,
+     so they pair once and each contribution travels once;
+   - seeking ``r`` but paired, promised to another, or proposing to a third replica:
+     ``busy`` (so three replicas that choose each other in a cycle all hear ``busy`` and
+     move on: no deadlock);
    - past ``r``: ``stale``;
    - not yet at ``r``: held until it gets there (at most ``hold_s``), then judged as
      above; if it does not arrive in time, ``not_ready``. At most ``max_held`` requests
-     are held at once (each holds a whole contribution in memory); more are ``busy``.
+     are held at once; more are ``busy``.
+   A contribution is accepted from the replica it was promised to, or, without a promise,
+   by the same rules as a proposal (a single-message exchange, as older nodes send).
 5. When every replica is excluded, or the round's deadline passes, the replica takes a
    solo outer step (``G = {i}``): the odd replica out and the replica whose partner died
    both end this way. Each round ends as exactly one of paired or solo.
 
-An accepted request whose reply is lost leaves the acceptor paired and the asker solo;
+An accepted contribution whose reply is lost leaves the acceptor paired and the asker solo;
 both are valid NoLoCo steps. The service moves opaque contributions (tensors and their
 codec metadata); encoding and the maths happen in the caller's compute thread.
 """
@@ -90,6 +103,9 @@ class RoundOutcome:
     partner_id: str | None
     contribution: Contribution | None
     num_attempts: int = 0
+    """Proposals made."""
+    num_sent: int = 0
+    """Times this replica's contribution was sent (requests and the reply as acceptor)."""
     refusals: dict[str, int] = field(default_factory=dict)
 
 
@@ -120,6 +136,11 @@ class GossipService:
         self._round = -1
         self._mine: Contribution | None = None
         self._target: str | None = None
+        """The replica we are proposing to (or sending our contribution to) now."""
+        self._promised: str | None = None
+        """The replica whose proposal we accepted and whose contribution we wait for."""
+        self._promise_until = 0.0
+        self._sent_as_acceptor = False
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
         self._reached = asyncio.Event()
         self._num_held = 0
@@ -133,6 +154,7 @@ class GossipService:
         assert round_ > self.completed, "rounds only move forward"
         loop = asyncio.get_running_loop()
         self._round, self._mine = round_, mine
+        self._promised, self._sent_as_acceptor = None, False
         self._partner = partner = loop.create_future()
         self._reached.set()  # wake requests held for this round
         self._reached = asyncio.Event()
@@ -146,6 +168,9 @@ class GossipService:
                 await self._listen(partner, self.rng.uniform(0.0, self.config.listen_s))
                 if partner.done():
                     break
+                if self._promised is not None:
+                    await self._keep_promise(partner, deadline)
+                    continue
                 pool = [
                     p
                     for p in self.replicas()
@@ -164,8 +189,22 @@ class GossipService:
             if not partner.done():
                 partner.cancel()
             self.completed = round_
-            self._target = None
+            self._target = self._promised = None
+        outcome.num_sent += self._sent_as_acceptor
         return outcome
+
+    async def _keep_promise(
+        self, partner: asyncio.Future[tuple[str, Contribution]], deadline: float
+    ) -> None:
+        """Wait for the contribution of the replica we promised to; release the promise if
+        it does not come in time (the proposer gave up, or died)."""
+        promised = self._promised
+        wait_s = min(self._promise_until, deadline) - self.clock.now()
+        if wait_s > 0:
+            await self._listen(partner, wait_s)
+        if not partner.done() and self._promised == promised:
+            log.debug("gossip round %d: %s never sent its contribution", self._round, promised)
+            self._promised = None
 
     async def _listen(
         self, partner: asyncio.Future[tuple[str, Contribution]], seconds: float
@@ -181,30 +220,48 @@ class GossipService:
         deadline: float,
         outcome: RoundOutcome,
     ) -> str | None:
-        """One request; ``None`` if the peer accepted, else its refusal code."""
-        assert self._partner is not None
+        """Propose to ``peer``, then send our contribution for its own; ``None`` if paired,
+        else the refusal's code."""
+        partner = self._partner
+        assert partner is not None
         self._target = peer.peer_id
-        request = GossipRequest(
-            stage=self.stage,
-            round=round_,
-            sender=self.self_id,
-            meta=mine.meta,
-            tensors=mine.tensors,
-        )
+        try:
+            propose = GossipRequest(
+                stage=self.stage, round=round_, sender=self.self_id, meta={}, propose=True
+            )
+            code = await self._request(peer, propose, deadline, outcome)
+            if isinstance(code, str) or partner.done():
+                return code if isinstance(code, str) else None
+            request = GossipRequest(
+                stage=self.stage,
+                round=round_,
+                sender=self.self_id,
+                meta=mine.meta,
+                tensors=mine.tensors,
+            )
+            outcome.num_sent += 1
+            reply = await self._request(peer, request, deadline, outcome)
+            if isinstance(reply, str):
+                return reply
+        finally:
+            self._target = None
+        if not partner.done():
+            partner.set_result((peer.peer_id, Contribution(reply.tensors, reply.meta)))
+        return None
+
+    async def _request(
+        self, peer: PeerRecord, request: GossipRequest, deadline: float, outcome: RoundOutcome
+    ) -> GossipReply | str:
+        """One request to ``peer``: its reply, or the refusal's code (counted)."""
         timeout = max(0.1, min(self.config.request_timeout_s, deadline - self.clock.now()))
         try:
             answer = await self.transport.request(peer.address, request, timeout, peer.peer_id)
-            reply = expect(answer, GossipReply)
+            return expect(answer, GossipReply)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"
             outcome.refusals[code] = outcome.refusals.get(code, 0) + 1
-            log.debug("gossip round %d: %s answered %s", round_, peer.peer_id[:8], code)
+            log.debug("gossip round %d: %s answered %s", request.round, peer.peer_id[:8], code)
             return code
-        finally:
-            self._target = None
-        if not self._partner.done():
-            self._partner.set_result((peer.peer_id, Contribution(reply.tensors, reply.meta)))
-        return None
 
     async def handle_request(self, req: GossipRequest) -> GossipReply:
         """Answer a replica that wants to pair with us for ``req.round``."""
@@ -231,10 +288,25 @@ class GossipService:
             if req.round != self._round:
                 raise Refused("stale", f"round {req.round} skipped here")
         partner = self._partner
-        if partner is None or partner.done() or self._target not in (None, req.sender):
+        if partner is None or partner.done():
+            raise Refused("busy", f"round {req.round}: already paired", 409)
+        promised = self._promised
+        if promised is not None and self.clock.now() >= self._promise_until:
+            promised = None  # lapsed: its proposer did not send in time
+        if promised != req.sender and (
+            promised is not None or self._target not in (None, req.sender)
+        ):
             raise Refused(
-                "busy", f"round {req.round}: already paired or asking another replica", 409
+                "busy", f"round {req.round}: promised to, or asking, another replica", 409
             )
+        if req.propose:
+            if self._target == req.sender and self.self_id < req.sender:
+                # we proposed to each other: the larger id accepts, so only ours stands
+                raise Refused("busy", f"round {req.round}: our own proposal to you stands", 409)
+            self._promised = req.sender
+            self._promise_until = self.clock.now() + self.config.request_timeout_s
+            return GossipReply(round=req.round, meta={})
         assert self._mine is not None
         partner.set_result((req.sender, Contribution(req.tensors, req.meta)))
+        self._sent_as_acceptor = True
         return GossipReply(round=req.round, meta=self._mine.meta, tensors=self._mine.tensors)

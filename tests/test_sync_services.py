@@ -30,6 +30,8 @@ class Net:
         self.delay_s = 0.0
         self.strangers: dict[str, set[str]] = {}
         """address -> senders refused there as ``unknown_peer`` until introduced."""
+        self.tensor_bytes = 0
+        """Tensor bytes carried by requests and replies delivered."""
 
     async def request(
         self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
@@ -48,12 +50,19 @@ class Net:
                 if isinstance(msg, GossipRequest):
                     if msg.sender in self.strangers.get(address, set()):
                         raise Refused("unknown_peer", f"{msg.sender} has not said hello")
-                    return await self.gossip[address].handle_request(msg)
+                    self.tensor_bytes += _nbytes(msg)
+                    reply = await self.gossip[address].handle_request(msg)
+                    self.tensor_bytes += _nbytes(reply)
+                    return reply
         except Refused as e:
             raise TransportError(e.code, e.message) from None
         except TimeoutError:
             raise TransportError("timeout", address) from None
         raise AssertionError(msg)
+
+
+def _nbytes(msg: Message) -> int:
+    return sum(t.numel() * t.element_size() for t in msg.tensors.values())
 
 
 # ---- ring all-reduce -------------------------------------------------------------------
@@ -209,9 +218,49 @@ async def test_two_replicas_pair_and_swap() -> None:
 
 async def test_two_replicas_that_choose_each_other_pair_once() -> None:
     net = Net()
-    net.delay_s = 0.05  # both requests are in flight at once
-    a, b = make_gossip(net, 2)
+    net.delay_s = 0.05  # both proposals are in flight at once
+    a, b = make_gossip(net, 2, listen_s=0.0)
     ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
+    assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+    assert ra.contribution.meta == {"who": 1} and rb.contribution.meta == {"who": 0}  # type: ignore[union-attr]
+    assert (ra.num_sent, rb.num_sent) == (1, 1)  # the smaller id sent, the other replied
+    assert net.tensor_bytes == 2 * 12
+
+
+async def test_a_refusal_costs_no_upload_of_the_contribution() -> None:
+    # eight replicas reaching the round at once refuse each other often; only the
+    # contributions of replicas that pair travel, once each
+    for seed in range(3):
+        net = Net()
+        net.delay_s = 0.02
+        services = make_gossip(net, 8, listen_s=0.01)
+        for i, s in enumerate(services):
+            s.rng = random.Random(seed * 10 + i)
+        outcomes = await asyncio.gather(
+            *(s.exchange(0, contrib(i)) for i, s in enumerate(services))
+        )
+        paired = [o for o in outcomes if o.partner_id is not None]
+        assert sum(sum(o.refusals.values()) for o in outcomes) > 0
+        assert len(paired) >= 4
+        assert net.tensor_bytes == 12 * len(paired)
+        assert all(o.num_sent == (o.partner_id is not None) for o in outcomes)
+
+
+async def test_a_promise_whose_proposer_vanishes_lapses_and_the_round_still_pairs() -> None:
+    net = Net()
+    a, b, _ = make_gossip(net, 3, request_timeout_s=0.3, listen_s=0.01)
+    b_round = asyncio.ensure_future(b.exchange(0, contrib(1)))
+    await asyncio.sleep(0)  # b is seeking: p2 proposes, is promised, and never sends
+    accept = await b.handle_request(
+        GossipRequest(stage=1, round=0, sender="p2", meta={}, propose=True)
+    )
+    assert accept.tensors == {} and accept.meta == {}
+    with pytest.raises(Refused) as info:  # promised: a contribution from another is refused
+        await b.handle_request(
+            GossipRequest(stage=1, round=0, sender="p0", meta={}, tensors=contrib(0).tensors)
+        )
+    assert info.value.code == "busy"
+    ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b_round)
     assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
 
 

@@ -226,7 +226,7 @@ class StageSync:
             self.runner.outer_contribution, self.config.codec, ref_steps
         )
         outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
-        self.bytes_sent += _nbytes(tensors) * outcome.num_attempts
+        self.bytes_sent += _nbytes(tensors) * outcome.num_sent
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
             self.bytes_received += _nbytes(outcome.contribution.tensors)
