@@ -441,6 +441,12 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
     moved.add_metric(["sent"], sync.get("bytes_sent", 0))
     moved.add_metric(["received"], sync.get("bytes_received", 0))
     yield moved
+    yield _counter(
+        "murmur_sync_promises_lapsed",
+        "NoLoCo proposals accepted whose contribution never came (the proposer died or "
+        "misbehaves; its proposals are refused for the rest of the round).",
+        sync.get("promises_lapsed", 0),
+    )
     if "in_progress" in sync:
         yield _gauge(
             "murmur_sync_in_progress",

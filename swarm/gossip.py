@@ -33,7 +33,10 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
      ``request_timeout_s``) instead of proposing. Two replicas that proposed to each other
      (each finds its own proposal out *to that very sender*) settle it by peer id: the
      larger accepts, the smaller answers ``busy`` and its own proposal is the one accepted,
-     so they pair once and each contribution travels once;
+     so they pair once and each contribution travels once. A promise whose contribution
+     does not come in time lapses, and that proposer's proposals are refused for the rest
+     of the round (counted in ``num_lapsed``): a member that proposes and never sends holds
+     a round up for ``request_timeout_s`` at most;
    - seeking ``r`` but paired, promised to another, or proposing to a third replica:
      ``busy`` (so three replicas that choose each other in a cycle all hear ``busy`` and
      move on: no deadlock);
@@ -141,6 +144,11 @@ class GossipService:
         """The replica whose proposal we accepted and whose contribution we wait for."""
         self._promise_until = 0.0
         self._sent_as_acceptor = False
+        self._lapsed: set[str] = set()
+        """Proposers this round whose contribution never came: their proposals are refused
+        until the next round (a member cannot hold our round by proposing again and again)."""
+        self.num_lapsed = 0
+        """Promises that lapsed: proposers that did not send (they died, or misbehave)."""
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
         self._reached = asyncio.Event()
         self._num_held = 0
@@ -155,6 +163,7 @@ class GossipService:
         loop = asyncio.get_running_loop()
         self._round, self._mine = round_, mine
         self._promised, self._sent_as_acceptor = None, False
+        self._lapsed.clear()
         self._partner = partner = loop.create_future()
         self._reached.set()  # wake requests held for this round
         self._reached = asyncio.Event()
@@ -203,8 +212,11 @@ class GossipService:
         if wait_s > 0:
             await self._listen(partner, wait_s)
         if not partner.done() and self._promised == promised:
-            log.debug("gossip round %d: %s never sent its contribution", self._round, promised)
+            log.info("gossip round %d: %s never sent its contribution", self._round, promised)
             self._promised = None
+            if promised is not None:
+                self._lapsed.add(promised)
+                self.num_lapsed += 1
 
     async def _listen(
         self, partner: asyncio.Future[tuple[str, Contribution]], seconds: float
@@ -300,6 +312,8 @@ class GossipService:
                 "busy", f"round {req.round}: promised to, or asking, another replica", 409
             )
         if req.propose:
+            if req.sender in self._lapsed:
+                raise Refused("busy", f"round {req.round}: your last proposal lapsed here", 409)
             if self._target == req.sender and self.self_id < req.sender:
                 # we proposed to each other: the larger id accepts, so only ours stands
                 raise Refused("busy", f"round {req.round}: our own proposal to you stands", 409)

@@ -262,6 +262,21 @@ async def test_a_promise_whose_proposer_vanishes_lapses_and_the_round_still_pair
     assert info.value.code == "busy"
     ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b_round)
     assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+    assert b.num_lapsed == 1
+
+
+async def test_a_proposer_whose_promise_lapsed_is_refused_for_the_rest_of_the_round() -> None:
+    net = Net()
+    _, b = make_gossip(net, 2, request_timeout_s=0.2, round_deadline_s=1.0)  # p0 stays busy
+    b_round = asyncio.ensure_future(b.exchange(0, contrib(1)))
+    await asyncio.sleep(0)
+    propose = GossipRequest(stage=1, round=0, sender="p9", meta={}, propose=True)
+    await b.handle_request(propose)
+    await asyncio.sleep(0.4)  # p9 never sends
+    with pytest.raises(Refused) as info:
+        await b.handle_request(propose)
+    assert info.value.code == "busy" and b.num_lapsed == 1
+    assert (await b_round).partner_id is None
 
 
 async def test_odd_replica_out_goes_solo_and_nobody_deadlocks() -> None:

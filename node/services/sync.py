@@ -332,6 +332,7 @@ class StageSync:
             "last_partner": self.last_partner,
             "in_progress": self.running,
             "typical_distance": self.screen.typical(),
+            "promises_lapsed": self.gossip.num_lapsed,
         }
 
 
