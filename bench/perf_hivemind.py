@@ -171,7 +171,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=401_920)
     p.add_argument("--sizes", default="2,4,8")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--payload-bytes", type=int, default=64 << 20)
+    p.add_argument("--payload-bytes", type=int, default=64 << 20, help="0: no throughput test")
     p.add_argument("--matchmaking-s", type=float, default=1.0)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -181,8 +181,9 @@ def main() -> None:
     import hivemind
 
     result: dict[str, Any] = {"status": "ok", "version": hivemind.__version__}
-    _say(f"hivemind: tensor throughput, {args.payload_bytes >> 20} MiB")
-    result["throughput"] = asyncio.run(send_tensors(args.payload_bytes, args.reps))
+    if args.payload_bytes > 0:
+        _say(f"hivemind: tensor throughput, {args.payload_bytes >> 20} MiB")
+        result["throughput"] = asyncio.run(send_tensors(args.payload_bytes, args.reps))
     result["averaging"] = []
     for n in [int(s) for s in args.sizes.split(",")]:
         _say(f"hivemind: averaging among {n} peers")

@@ -14,8 +14,12 @@ fit error reported, then extended to N = 1024 along with a binary-tree all-reduc
     ring   = 2 (N-1) [2 (L + c) + S/N (1/B + k)]           every step waits for its chunk's acknowledgement
     tree   = 2 ceil(log2 N) [2 (L + c) + S (1/B + k)]      reduce up, broadcast down
 
-Writes ``bench/results/sync_scaling.json`` and ``sync_scaling.png``.
-Usage: ``python -m bench.sync_scaling [--quick]``.
+With ``--hivemind PYTHON`` (a Python that has hivemind, never this project's: see
+``bench/perf_hivemind.py``) the same run also times hivemind's ``DecentralizedAverager``
+all-reduce of a tensor of the same size at the same N, for a side-by-side comparison.
+
+Writes ``bench/results/NAME.json`` and ``NAME.png`` (``--name``, default ``sync_scaling``).
+Usage: ``python -m bench.sync_scaling [--quick] [--numel N] [--hivemind PYTHON]``.
 """
 
 from __future__ import annotations
@@ -89,6 +93,17 @@ def measure(n: int, numel: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_hivemind(python: str, numel: int, ns: list[int], reps: int) -> list[dict[str, Any]]:
+    """hivemind's averaging of ``numel`` fp32 values at each N, in its own Python."""
+    script = Path(__file__).parent / "perf_hivemind.py"
+    cmd = [python, str(script), "--numel", str(numel), "--sizes", ",".join(map(str, ns))]
+    cmd += ["--reps", str(reps), "--payload-bytes", "0"]
+    print("hivemind:", " ".join(cmd[1:]), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
+    rows: list[dict[str, Any]] = json.loads(out.strip().splitlines()[-1])["averaging"]
+    return rows
+
+
 def model(
     n: int, s_bytes: float, lat: float, bw: float, listen: float, c: float, k: float
 ) -> dict[str, float]:
@@ -152,6 +167,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         color="tab:blue",
         label="NoLoCo (measured)",
     )
+    if result.get("hivemind"):
+        hm = result["hivemind"]
+        ax.loglog(
+            [h["n"] for h in hm],
+            [h["allreduce_s"] for h in hm],
+            "s",
+            color="tab:green",
+            label="hivemind all-reduce (measured)",
+        )
     p = result["params"]
     ax.set_title(
         f"Sync time of one stage ({p['stage_bytes'] / 1e6:.1f} MB), {p['latency_ms']:.0f} ms one-way, "
@@ -176,12 +200,15 @@ def main() -> None:
     p.add_argument("--bandwidth-mbps", type=float, default=100.0, help="0: no uplink cap")
     p.add_argument("--listen-s", type=float, default=0.05)
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--numel", type=int, default=0, help="values per stage (0: the preset's)")
+    p.add_argument("--hivemind", default="", help="a Python with hivemind: compare with it")
+    p.add_argument("--name", default="sync_scaling", help="results file name, no suffix")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     ns = [2, 4] if args.quick else [2, 4, 8]
     if args.quick:
         args.reps = 2
-    numel = stage_numel(args.preset)
+    numel = args.numel or stage_numel(args.preset)
     # bytes/s of the emulated uplink; 0 means none emulated: no wire time in the model
     s_bytes, lat = 4.0 * numel, args.latency_ms / 1000
     bw = args.bandwidth_mbps * 125_000 or math.inf
@@ -193,6 +220,13 @@ def main() -> None:
             flush=True,
         )
         measured.append(m)
+    hivemind = run_hivemind(args.hivemind, numel, ns, args.reps) if args.hivemind else []
+    for m in measured:
+        hm = next((h for h in hivemind if h["n"] == m["n"]), None)
+        if hm is not None:
+            m["hivemind_allreduce_s"] = hm["allreduce_s"]
+            m["hivemind_step_s"] = hm["step_s"]
+            m["ring_over_hivemind"] = m["ring_s"] / hm["allreduce_s"] if m["ring_s"] else None
     c, k = fit(measured, s_bytes, lat, bw, args.listen_s)
     for m in measured:
         pred = model(m["n"], s_bytes, lat, bw, args.listen_s, c, k)
@@ -223,11 +257,19 @@ def main() -> None:
             "model_max_relative_error": max(errors),
         },
         "measured": measured,
+        "noloco_largest_over_smallest_n": measured[-1]["noloco_s"] / measured[0]["noloco_s"],
+        "hivemind": hivemind,
         "simulated": simulated,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sync_scaling.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "sync_scaling.png")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / f"{args.name}.png")
+    for m in measured:
+        if "hivemind_allreduce_s" in m:
+            print(
+                f"N={m['n']}: hivemind all-reduce {m['hivemind_allreduce_s']:.3f}s, "
+                f"whole step {m['hivemind_step_s']:.3f}s; ring/hivemind {m['ring_over_hivemind']:.2f}"
+            )
     last = simulated[-1]
     print(
         f"model: c={c * 1e3:.2f} ms/message, k={k * 1e9:.2f} ns/byte, max error {max(errors):.0%}"
