@@ -152,30 +152,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.loglog(
         ns, [r["noloco_s"] for r in sim], "-", color="tab:blue", label="NoLoCo exchange (model)"
     )
-    meas = result["measured"]
-    ax.loglog(
-        [m["n"] for m in meas],
-        [m["ring_s"] for m in meas],
-        "o",
-        color="tab:red",
-        label="ring (measured)",
-    )
-    ax.loglog(
-        [m["n"] for m in meas],
-        [m["noloco_s"] for m in meas],
-        "o",
-        color="tab:blue",
-        label="NoLoCo (measured)",
-    )
-    if result.get("hivemind"):
-        hm = result["hivemind"]
-        ax.loglog(
-            [h["n"] for h in hm],
-            [h["allreduce_s"] for h in hm],
-            "s",
-            color="tab:green",
-            label="hivemind all-reduce (measured)",
-        )
+    points = [
+        (result["measured"], "ring_s", "o", "tab:red", "ring (measured)"),
+        (result["measured"], "noloco_s", "o", "tab:blue", "NoLoCo (measured)"),
+        (result.get("hivemind", []), "allreduce_s", "s", "tab:green", "hivemind all-reduce"),
+    ]
+    for rows, key, marker, color, label in points:
+        if rows:
+            ax.loglog(
+                [r["n"] for r in rows], [r[key] for r in rows], marker, color=color, label=label
+            )
     p = result["params"]
     ax.set_title(
         f"Sync time of one stage ({p['stage_bytes'] / 1e6:.1f} MB), {p['latency_ms']:.0f} ms one-way, "
