@@ -231,6 +231,8 @@ class Node:
             "uptime_s": round(time.monotonic() - self.started_s, 1),
             "step": r.step if r else 0,
             "samples": r.samples if r else 0,
+            "compute_busy_s": round(r.compute_s, 3) if r else 0.0,
+            "forwards": r.num_forwards if r else 0,
             "throughput": round(r.service_rate, 2) if r else 0.0,
             "queue": self.work.qsize(),
             "grad_norm": r.thermo.grad_norm if r else 0.0,

@@ -1,0 +1,37 @@
+"""The WAN benchmark's smoke run: ``bench.wan --quick`` (0 and 50 ms one-way, 100 Mbit/s
+token buckets, head and 3 block stages in network namespaces) runs end to end and reports
+what the full run reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import wan
+from tests.netns import netns_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_the_wan_benchmark_trains_through_shaped_links_and_reports_the_ratio(
+    tmp_path: Path,
+) -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    result = wan.main(["--quick", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "wan-quick.json").read_text()) == result
+    assert (tmp_path / "wan-quick.png").stat().st_size > 0
+    runs = {r["name"]: r for r in result["runs"]}
+    assert set(runs) == {"0ms", "50ms"}
+    for run in runs.values():
+        assert run["tokens_at_eval"] >= 250_000 and run["tokens_per_s"] > 0
+        assert math.isfinite(run["eval_loss"])
+        assert set(run["compute_utilisation"]) == {"1:s0", "2:s1", "3:s2", "4:s3"}
+        assert all(0 < u <= 1.05 for u in run["compute_utilisation"].values())
+        assert run["window_mean"] and run["window_mean"] > 0
+    assert result["ratio_50ms"] == runs["50ms"]["ratio_to_0ms"]
+    assert runs["0ms"]["ratio_to_0ms"] == 1.0
