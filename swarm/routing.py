@@ -4,11 +4,16 @@ SWARM Parallelism (Ryabinin et al., ICML 2023, arXiv 2301.11913), section 3.2 an
 ``docs/algorithms.md`` section 2. Each hop is drawn at random with probability proportional to the
 replica's estimated rate of finishing our work: one over the time it should take, the work
 ahead of ours (its queue plus what we already have in flight with it) at its published
-service rate (samples/s, an EMA it measures itself) plus the time a hop to it takes as this
-node measured it (round trip and transfer: a replica 150 ms away is not as good as one next
-door, as SWARM's wiring weighs it). A replica we know nothing about yet gets the best rate
-and the shortest hop seen, so new peers are probed early (SWARM's reference probes new peers
-first), and the draw keeps probing every replica with a nonzero chance. A peer that failed is
+service rate (samples/s, an EMA it measures itself) plus how much longer a hop to it takes
+than a hop to the nearest candidate, as this node measured them (round trip and transfer: a
+replica 150 ms further away is not as good as one next door, as SWARM's wiring weighs it).
+Only the difference counts: the hop time every choice pays alike would flatten the weights
+of a fast and a slow replica at the same distance towards a uniform draw (on a WAN the slow
+one got a fifth more than its share of the stage's capacity, ``bench/wan.py``); without it,
+equidistant replicas are drawn in proportion to rate over work ahead, SWARM's rule. A
+replica we know nothing about yet gets the best rate and the shortest hop seen, so new
+peers are probed early (SWARM's reference probes new peers first), and the draw keeps
+probing every replica with a nonzero chance. A peer that failed is
 banned for ``ban_s`` seconds. A peer caught misbehaving (poisoned weights, see
 ``swarm.screen``) is *quarantined* for longer: routing avoids it, gossip does not pair with
 it, and the daemon refuses its requests with ``banned`` until the quarantine ends; a
@@ -56,12 +61,14 @@ def route_weights(
 ) -> list[float]:
     """Relative chance of each candidate: one over the time it should take to finish our
     microbatch of ``samples``, its work ahead of ours (``1 + queue + our in-flight``) at its
-    service rate plus the hop's network time as this node measured it; 0 if banned.
+    service rate plus how much longer its hop takes than the shortest measured among the
+    candidates; 0 if banned.
 
     A peer whose hop time is not measured yet gets the smallest measured one (optimism, so
     it is tried); one also reached through a relay other than this node (``here``: this
     node's address) has its weight divided by ``RELAY_PENALTY`` until then. With no hop
-    times measured the weight is ``rate / (1 + queue + in-flight)`` (over ``samples``)."""
+    times measured, or all equal, the weight is ``rate / (1 + queue + in-flight)`` (over
+    ``samples``)."""
     known = [c.throughput for c in candidates if c.throughput > 0]
     probe_rate = max(known) if known else 1.0
     trips = [
@@ -78,8 +85,8 @@ def route_weights(
             continue
         rate = c.throughput if c.throughput > 0 else probe_rate
         compute_s = (1.0 + c.queue + s.num_in_flight) * samples / rate
-        trip_s = probe_trip if s.latency_ema_s is None else s.latency_ema_s
-        weight = 1.0 / (compute_s + trip_s)
+        extra_trip_s = 0.0 if s.latency_ema_s is None else s.latency_ema_s - probe_trip
+        weight = 1.0 / (compute_s + extra_trip_s)
         if c.relays and here not in c.relays and s.latency_ema_s is None:
             weight /= RELAY_PENALTY
         weights.append(weight)

@@ -28,18 +28,31 @@ def test_unmeasured_peer_is_probed_at_the_best_known_rate() -> None:
 
 def test_a_far_replica_counts_its_hop_time() -> None:
     """Equal replicas, one 1 ms away and one 150 ms: 16-sample microbatches at 100 samples/s
-    take 0.16 s to compute, so 1/0.161 against 1/0.31 (the near one about 66 % of draws)."""
+    take 0.16 s to compute, and the far one's hop 0.149 s more, so 1/0.16 against 1/0.309
+    (the near one about 66 % of draws)."""
     near, far, new = rec("near", 100.0), rec("far", 100.0), rec("new", 100.0)
     stats = {"near": PeerStats(latency_ema_s=0.001), "far": PeerStats(latency_ema_s=0.150)}
     w = route_weights([near, far, new], stats, now=0.0, samples=16.0)
-    assert w == pytest.approx([1 / 0.161, 1 / 0.31, 1 / 0.161])  # the new one: shortest hop
+    assert w == pytest.approx([1 / 0.16, 1 / 0.309, 1 / 0.16])  # the new one: shortest hop
     r = Router(random.Random(3))
     r.samples = 16.0
     for pid, trip in (("near", 0.001), ("far", 0.150)):
         r.started(pid)
         r.finished(pid, True, now=0.0, latency_s=trip)
     picks = Counter(r.choose([near, far], now=1.0).peer_id for _ in range(4000))  # type: ignore[union-attr]
-    assert picks["near"] / 4000 == pytest.approx(0.31 / (0.31 + 0.161), abs=0.03)
+    assert picks["near"] / 4000 == pytest.approx(0.309 / (0.309 + 0.16), abs=0.03)
+
+
+def test_equidistant_replicas_share_by_capacity_however_far() -> None:
+    """The mixed swarm of ``bench/wan.py``: a replica at 108.8 samples/s and one at 38.9,
+    both 100 ms away. The hop both pay alike does not count: 0.74 and 0.26 of the draws,
+    their shares of the stage's capacity (with the hop counted whole, 1/(0.147 + 0.1) against
+    1/(0.411 + 0.1) would give 0.67 and 0.33)."""
+    fast, slow = rec("fast", 108.8), rec("slow", 38.9)
+    stats = {"fast": PeerStats(latency_ema_s=0.1), "slow": PeerStats(latency_ema_s=0.1)}
+    w = route_weights([fast, slow], stats, now=0.0, samples=16.0)
+    assert w == pytest.approx([108.8 / 16, 38.9 / 16])
+    assert w[0] / sum(w) == pytest.approx(108.8 / (108.8 + 38.9))
 
 
 def test_banned_peer_has_zero_weight_until_ban_ends() -> None:
