@@ -52,7 +52,7 @@ from typing import IO, Any
 
 from node.client import fetch_status, request_eval
 from node.config import TrainConfig
-from tests.netns import Host, Lab, _ip, netns_available
+from tests.netns import Host, Lab, netns_available
 
 RESULTS = Path(__file__).parent / "results"
 PORT = 7070
@@ -109,17 +109,6 @@ def say(text: str) -> None:
     print(f"[wan {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def shape(host: Host, rate_mbit: float) -> None:
-    """Cap what ``host`` sends at ``rate_mbit`` (a token bucket on its eth0)."""
-    subprocess.run(
-        ["ip", "netns", "exec", host.name, "tc", "qdisc", "replace", "dev", "eth0", "root"]
-        + ["tbf", "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "200ms"],
-        check=True,
-        capture_output=True,
-        timeout=10,
-    )
-
-
 def join(
     host: Host,
     stage: int,
@@ -169,10 +158,9 @@ def run(v: Variant, tokens: int, warmup_s: float, logs: Path) -> dict[str, Any]:
     lab = Lab.create(len(stages))
     outs: list[IO[bytes]] = []
     try:
-        # the root namespace on the bridge, to poll the nodes' /status from here
-        _ip("addr", "add", f"{lab.net}.254/24", "dev", lab.bridge)
+        lab.reach_from_root()  # to poll the nodes' /status from here
         for host in lab.hosts:
-            shape(host, v.rate_mbit)
+            host.cap_uplink(v.rate_mbit)
         swarm = f"wan-{secrets.token_hex(3)}"
         head = f"{lab.hosts[0].address}:{PORT}"
         for i, (host, stage) in enumerate(zip(lab.hosts, stages, strict=True)):
@@ -205,9 +193,8 @@ def run(v: Variant, tokens: int, warmup_s: float, logs: Path) -> dict[str, Any]:
         eval_loss = statistics.mean(request_eval(f"{h.address}:{PORT}") for h in heads)
         done = sum(st1[h.name]["tokens"] - st0[h.name]["tokens"] for h in heads)
         util = {
-            f"{h.name[-1]}:s{s}": (st1[h.name]["compute_busy_s"] - st0[h.name]["compute_busy_s"])
-            / wall
-            for h, s in zip(lab.hosts, stages, strict=True)
+            f"{i + 1}:s{s}": (st1[h.name]["compute_busy_s"] - st0[h.name]["compute_busy_s"]) / wall
+            for i, (h, s) in enumerate(zip(lab.hosts, stages, strict=True))
         }
         out: dict[str, Any] = {
             **asdict(v),

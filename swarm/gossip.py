@@ -241,9 +241,11 @@ class GossipService:
             propose = GossipRequest(
                 stage=self.stage, round=round_, sender=self.self_id, meta={}, propose=True
             )
-            code = await self._request(peer, propose, deadline, outcome)
-            if isinstance(code, str) or partner.done():
-                return code if isinstance(code, str) else None
+            accepted = await self._request(peer, propose, deadline, outcome)
+            if isinstance(accepted, str):
+                return accepted  # refused
+            if partner.done():
+                return None  # it sent us its contribution itself (a one-message exchange)
             request = GossipRequest(
                 stage=self.stage,
                 round=round_,

@@ -8,7 +8,8 @@ replies let back in by connection tracking), running processes inside them, part
 to a second bridge and back), and ALWAYS tearing all of it down: the processes started inside,
 the namespaces, the bridges and the iptables rules. Names carry a random
 suffix so parallel runs never collide. The recipe is ``shared/tools/netns-lab.sh``.
-Does not own: what runs on the hosts, or latency (this kernel has no netem; tc tbf caps rate).
+Does not own: what runs on the hosts, or latency (this kernel has no netem; ``cap_uplink``
+caps a host's rate with tc tbf).
 
 Not a test module. Use it from a test file or ``tests/conftest.py``::
 
@@ -95,6 +96,14 @@ class Host:
             check=True,
         )
         return done.stdout
+
+    def cap_uplink(self, rate_mbit: float) -> None:
+        """Cap what this host sends at ``rate_mbit`` (a token bucket on its ``eth0``: real
+        packets queue, as on a thin uplink)."""
+        self.run(
+            ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
+            + ["rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "200ms"]
+        )
 
 
 @dataclass
@@ -234,6 +243,11 @@ class Lab:
         ):
             subprocess.run([*inside, *cmd], check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
         return host
+
+    def reach_from_root(self) -> None:
+        """Give the root namespace an address on the bridge (``10.A.B.254``), so that this
+        process reaches the hosts directly (polling their ``/status``, say)."""
+        _ip("addr", "add", f"{self.net}.254/24", "dev", self.bridge)
 
     def cut(self, i: int) -> None:
         """Partition host ``i`` (0-based): detach its veth from the bridge."""
