@@ -483,6 +483,10 @@ class Node:
             await self.reachability.keep()
             if self.sync is not None:
                 self.sync.forget_stale_rounds()
+                # a clock round is a wall-clock event: a replica that gets no work (routing
+                # banned it after a failed hop, the head is gone) must still meet its
+                # partners at the boundary, within a second here, or their rounds fail
+                self.sync.poll()
             runner = self.state.the_runner()
             freed = await runner.compute(runner.expire_saved, time.monotonic())
             if freed:

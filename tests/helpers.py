@@ -26,10 +26,17 @@ evaluation, short hop and microbatch deadlines, and a silent peer expires after 
 test file adds or overrides what its scenario needs: ``{**FAST_SWARM, ...}``."""
 
 
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
+def wait_for(
+    pred: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.5,
+    describe: Callable[[], Any] | None = None,
+) -> Any:
     """Poll ``pred`` until it returns something truthy (returned). A node that is still
     starting may make ``pred`` raise OSError, ValueError, KeyError or, when it is reached
-    through ``ip netns exec``, a SubprocessError meanwhile. AssertionError on timeout."""
+    through ``ip netns exec``, a SubprocessError meanwhile. AssertionError on timeout, with
+    what ``describe`` returns then (the state a reader needs to tell why)."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
@@ -40,7 +47,15 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: f
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as e:
             last = e
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
+    detail = ""
+    if describe is not None:
+        try:
+            detail = f"; state: {describe()!r}"
+        except Exception as e:  # the description must not hide the timeout
+            detail = f"; state unavailable: {e!r}"
+    raise AssertionError(
+        f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r}){detail}"
+    )
 
 
 def accounted(c: dict[str, int], pending: int) -> tuple[int, int]:

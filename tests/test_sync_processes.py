@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,12 @@ def test_ring_methods_keep_two_replicas_identical(tmp_path: Path, method: str) -
         head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
         for x in (head, a, b, last):
             wait_ready(x, 90, s)
-        wait_for(lambda: sync_of(a)["rounds"].get("allreduced", 0) >= 3, 150, "all-reduced rounds")
+        wait_for(
+            lambda: sync_of(a)["rounds"].get("allreduced", 0) >= 3,
+            150,
+            "all-reduced rounds",
+            describe=lambda: {x: sync_of(x) for x in (a, b)},
+        )
         st = sync_of(a)
         assert st["bytes_sent"] > 0 and st["rounds"].get("failed", 0) <= 1
         if method == "diloco" and not st["rounds"].get("failed", 0):
@@ -107,5 +113,31 @@ def test_ring_methods_keep_two_replicas_identical(tmp_path: Path, method: str) -
             # makes each apply its own pseudo-gradient, and DiLoCo's slow weights then stay
             # apart for good, so identity is only checked on a run without one.
             assert rms_distance(slow_weights(a), slow_weights(b)) < 1e-6
+    finally:
+        s.stop(grace_s=5)
+
+
+def test_replicas_that_get_no_work_keep_the_round_clock(tmp_path: Path) -> None:
+    """A round on the clock schedule is a wall-clock event: a replica that routing sends
+    nothing for a while (banned after a failed hop, say) must still meet its partners at the
+    boundary, or their rounds fail. With the head gone, no work reaches either replica, and
+    their DiLoCo rounds go on all-reducing."""
+    s = LocalSwarm(tmp_path, {**BASE, "sync.method": "diloco"})
+    try:
+        head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
+        for x in (head, a, b, last):
+            wait_ready(x, 90, s)
+        wait_for(lambda: sync_of(a)["rounds"].get("allreduced", 0) >= 1, 120, "a first round")
+        victim = next(p for n, p, _ in s.procs if n.endswith(head.rsplit(":", 1)[1]))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        time.sleep(2)  # jobs already queued finish
+        then = {x: sync_of(x)["rounds"].get("allreduced", 0) for x in (a, b)}
+        wait_for(
+            lambda: all(sync_of(x)["rounds"].get("allreduced", 0) >= then[x] + 2 for x in (a, b)),
+            60,
+            "rounds without work",
+            describe=lambda: {x: sync_of(x) for x in (a, b)},
+        )
     finally:
         s.stop(grace_s=5)

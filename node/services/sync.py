@@ -145,8 +145,10 @@ class StageSync:
 
     def poll(self) -> None:
         """Start a round if one is due (a grid boundary passed, or the runner counted H
-        steps or holds gradients for data parallel) and none is running."""
-        if self.running or self.ctx.state.leaving:
+        steps or holds gradients for data parallel), none is running and the replica serves
+        (not while it joins, moves or leaves). The daemon calls it after every compute job
+        and once a second, so a replica without work still keeps the clock."""
+        if self.running or not self.ctx.state.serving:
             return
         if self.clocked:
             boundary = self._boundary_due()
