@@ -39,6 +39,7 @@ OuterSchedule = Literal["clock", "steps"]
 ComputeDtype = Literal["float32", "bfloat16"]
 InFlightPolicy = Literal["fixed", "adaptive"]
 Staleness = Literal["stash", "2bw"]
+WireCodec = Literal["fp32", "bf16", "int8", "auto"]
 
 
 def choices(kind: Any) -> tuple[str, ...]:
@@ -162,8 +163,10 @@ class TrainConfig:
     """Samples whose gradients a replica accumulates before one inner optimizer step."""
     compute_dtype: ComputeDtype = "float32"
     """Matmul dtype: float32 or bfloat16 (norms, softmax and loss stay fp32)."""
-    wire_codec: Codec = "bf16"
-    """Activation and gradient encoding on the wire: fp32, bf16 or int8 (blockwise)."""
+    wire_codec: WireCodec = "auto"
+    """Activation and gradient encoding on the wire: fp32, bf16 or int8 (blockwise); or
+    ``auto``: bf16 while this node's link keeps up with its compute, int8 when it does not
+    (``swarm.wirecodec``)."""
     max_in_flight: int = 6
     """Microbatches a head node keeps in the pipeline at once (with ``window = adaptive``:
     the most it may keep, its memory bound)."""

@@ -247,6 +247,7 @@ class Node:
         }
         if self.sync is not None:
             out["sync"] = self.sync.status()
+        out["wire"] = self.hops.wire_status()
         out["reachability"] = self.reachability.status()
         out["relay"] = {
             "via": self.relays.status(),

@@ -34,6 +34,13 @@ def format_status(st: dict[str, Any]) -> str:
         )
     if st["stage"] >= 0 and st["ready"]:
         lines.append(_thermometers(st))
+    wire = st.get("wire")
+    if wire and st["stage"] >= 0:
+        how = ""
+        if wire["auto"]:
+            link = wire.get("link_mbps")
+            how = " (auto)" if link is None else f" (auto: payloads arrive at {link:.1f} Mbit/s)"
+        lines.append(f"  wire codec {wire['codec']}{how}")
     if st["stage"] == 0:
         loss = "-" if st.get("loss") is None else f"{st['loss']:.3f}"
         ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"

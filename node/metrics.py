@@ -135,6 +135,8 @@ class NodeCollector(Collector):
             yield from _recovery_families(st["recovery"])
         if isinstance(st.get("balance"), dict):
             yield from _balance_families(st["balance"])
+        if isinstance(st.get("wire"), dict):
+            yield from _wire_families(st["wire"])
         yield from _traffic_families(snap.client, snap.server)
 
     def _snapshot(self) -> Snapshot:
@@ -459,6 +461,25 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
             "RMS distance of this replica's slow weights to its last partner's.",
             _num(sync["spread_rms"]),
         )
+
+
+def _wire_families(wire: dict[str, Any]) -> Iterator[Metric]:
+    """The codec activations and gradients leave in, and the link rate it was chosen by."""
+    info = InfoMetricFamily("murmur_wire", "Codec of this node's activations and gradients.")
+    info.add_metric([], {"codec": str(wire["codec"]), "auto": str(bool(wire["auto"])).lower()})
+    yield info
+    if wire.get("link_mbps") is not None:
+        yield _gauge(
+            "murmur_wire_link_bytes_per_second",
+            "Rate this node's microbatch payloads arrive at, as its receivers time them "
+            "(moving average).",
+            wire["link_mbps"] * 1e6 / 8,
+        )
+    yield _counter(
+        "murmur_wire_codec_switches",
+        "Times train.wire_codec = auto changed this node's codec.",
+        wire["switches"],
+    )
 
 
 def _balance_families(bal: dict[str, Any]) -> Iterator[Metric]:

@@ -12,7 +12,9 @@ Owns two things every stage role uses the same way:
   the next stage with the router (``swarm.routing``) and retries others when one fails or
   is busy (``train.hop_retries``); ``send_to`` sends to one fixed peer (a microbatch's way
   home, or a gradient's way back along its path). A send that no replica takes is counted
-  as a dropped hop; the head re-issues the microbatch when its deadline passes.
+  as a dropped hop; the head re-issues the microbatch when its deadline passes. It also
+  picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
+  rates its receivers put in their acks).
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
@@ -24,11 +26,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from node.context import NodeContext
 from node.logs import RateLimitedLog
 from protocol.messages import Ack, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
+from swarm.wirecodec import CodecChoice
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +118,44 @@ class WorkQueue:
 
 
 class HopSender:
-    """Sends finished microbatches onward: to a drawn replica of a stage, or to one peer."""
+    """Sends finished microbatches onward: to a drawn replica of a stage, or to one peer;
+    and says which wire codec they travel in (``codec``: as configured, or with
+    ``train.wire_codec = auto`` by the rates its receivers report, ``swarm.wirecodec``)."""
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self._log = RateLimitedLog(log)
+        self.wire = CodecChoice()
+
+    def codec(self, numel: int, job_s: float) -> str:
+        """The codec for a tensor of ``numel`` values from a node that computes a job in
+        ``job_s`` seconds."""
+        fixed = self.ctx.config.train.wire_codec
+        if fixed != "auto":
+            return fixed
+        before = self.wire.codec
+        codec = self.wire.choose(numel, job_s)
+        if codec != before:
+            rate = self.wire.rate_bytes_s or 0.0
+            log.info(
+                "wire codec %s -> %s: payloads arrive at %.1f Mbit/s, a job computes in %.0f ms",
+                before,
+                codec,
+                rate * 8 / 1e6,
+                job_s * 1e3,
+            )
+        return codec
+
+    def wire_status(self) -> dict[str, Any]:
+        """What ``node status`` shows of the wire codec."""
+        rate = self.wire.rate_bytes_s
+        auto = self.ctx.config.train.wire_codec == "auto"
+        return {
+            "codec": self.wire.codec if auto else self.ctx.config.train.wire_codec,
+            "auto": auto,
+            "link_mbps": None if rate is None else round(rate * 8 / 1e6, 2),
+            "switches": self.wire.num_switches,
+        }
 
     async def send_to(self, hop: Hop, msg: Message) -> bool:
         """Send to one fixed peer (a microbatch's way home or back); False if it failed."""
@@ -169,7 +206,7 @@ class HopSender:
             reply = await ctx.transport.request(
                 address, msg, ctx.config.train.hop_timeout_s, peer_id
             )
-            expect(reply, Ack)
+            self.wire.observe(expect(reply, Ack).rate)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"
             if code == "duplicate_microbatch":  # it reached that peer by another route already

@@ -87,6 +87,7 @@ from protocol.messages import (
 from protocol.quant import WireTensor, open_tensor
 from swarm.membership import MembershipService
 from swarm.seams import Refused
+from swarm.wirecodec import arrival_rate
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +158,10 @@ class NodeServer:
     # ---- /rpc ---------------------------------------------------------------------------
 
     async def _handle_rpc(self, request: web.Request) -> web.Response:
-        async def body() -> bytes | bytearray:
-            return await read_body(request, self.limits)
+        async def body() -> tuple[bytes | bytearray, float]:
+            t0 = time.perf_counter()  # the headers are in: what follows is the transfer
+            raw = await read_body(request, self.limits)
+            return raw, arrival_rate(len(raw), time.perf_counter() - t0)
 
         header = request.headers.get(AUTH_HEADER)
         return await self._serve(header, body, request.remote or "?", relayed=False)
@@ -166,8 +169,8 @@ class NodeServer:
     async def serve_relayed(self, header: str | None, frame: bytes, origin: str) -> Served:
         """A frame a relay brought (``node.net.relay``), served as ``/rpc`` serves one."""
 
-        async def body() -> bytes:
-            return frame
+        async def body() -> tuple[bytes, float]:
+            return frame, 0.0  # the relay read it: no time of the sender's link to report
 
         resp = await self._serve(header, body, origin, relayed=True)
         return resp.status, resp.headers.get(AUTH_HEADER), response_frame(resp)
@@ -175,17 +178,21 @@ class NodeServer:
     async def _serve(
         self,
         header: str | None,
-        body: Callable[[], Awaitable[bytes | bytearray]],
+        body: Callable[[], Awaitable[tuple[bytes | bytearray, float]]],
         peer_host: str,
         relayed: bool,
     ) -> web.Response:
-        """One frame in, one frame out: the proof's cheap checks before the body is read."""
+        """One frame in, one frame out: the proof's cheap checks before the body is read.
+        ``body()``: the frame and the rate it arrived at (``swarm.wirecodec.arrival_rate``)."""
         try:
             incoming = self._authenticate(header)
-            msg = await open_frame(await body(), self.limits, incoming, server_stats(self.app))
+            raw, rate = await body()
+            msg = await open_frame(raw, self.limits, incoming, server_stats(self.app))
             if incoming is not None:
                 incoming.check_sender(msg)
             reply = await self._dispatch(msg, peer_host, relayed)
+            if rate and isinstance(msg, Forward | Backward) and isinstance(reply, Ack):
+                reply = Ack(rate=rate)  # the sender chooses its wire codec by it
         except ProtocolError as e:
             return self._refuse(e.code, str(e), e.http_status, peer_host)
         except Refused as e:

@@ -223,6 +223,10 @@ class Ack(Message):
 
     TYPE: ClassVar[str] = "ack"
     detail: str = ""
+    rate: float = 0.0
+    """Bytes per second at which the request's body arrived, as the receiver timed it (from
+    its headers to its last byte): set on a microbatch's ack, 0 when not timed (a small or
+    relayed body). Its sender picks its wire codec by it (``swarm.wirecodec``)."""
 
 
 @dataclass(frozen=True)

@@ -247,6 +247,9 @@ SWARM = {
     "train.total_steps": str(TRAIN_STEPS),
     "train.min_lr_ratio": "0",
     "train.eval_batches": "4",
+    # the comparison with offline evaluation below counts on bf16 rounding at every stage
+    # boundary: a fixed codec (``auto`` may pick int8 where a node's jobs are short)
+    "train.wire_codec": "bf16",
 }
 
 

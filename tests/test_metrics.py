@@ -93,6 +93,9 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_pipeline_complete": ("gauge", set()),
     "murmur_in_flight_window": ("gauge", set()),
     "murmur_round_trip_seconds": ("gauge", {"kind"}),
+    "murmur_wire_info": ("gauge", {"codec", "auto"}),
+    "murmur_wire_link_bytes_per_second": ("gauge", set()),
+    "murmur_wire_codec_switches": ("counter", set()),
     "murmur_sync_info": ("gauge", {"method"}),
     "murmur_outer_steps": ("counter", set()),
     "murmur_sync_rounds": ("counter", {"outcome"}),
@@ -187,6 +190,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "in_flight": 5,
         "pipeline_complete": True,
         "window": {"policy": "adaptive", "size": 7, "base_rtt_ms": 120.0, "rtt_ms": 150.5},
+        "wire": {"codec": "int8", "auto": True, "link_mbps": 18.4, "switches": 3},
         "sync": {
             "method": "noloco",
             "outer_steps": 3,
@@ -309,6 +313,9 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_relays_used") == 0 and one("murmur_relay_nodes") == 2
     assert one("murmur_relay_capacity") == 8
     assert one("murmur_in_flight_window") == 7
+    assert one("murmur_wire_link_bytes_per_second") == 18.4e6 / 8
+    assert one("murmur_wire_codec_switches_total") == 3
+    assert one("murmur_wire_info", codec="int8", auto="true") == 1.0
     assert one("murmur_round_trip_seconds", kind="base") == 0.12
     assert one("murmur_round_trip_seconds", kind="mean") == 0.1505
     assert one("murmur_relay_bytes_total", direction="to_node") == 4096

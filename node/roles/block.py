@@ -13,6 +13,8 @@ Does not own the weights or the maths (``node.stage.runner``), the queue or the 
 
 from __future__ import annotations
 
+import math
+
 from node.context import NodeContext
 from node.pipeline import HopSender, Job, Send
 from node.stage.runner import StageRunner
@@ -30,10 +32,10 @@ class BlockRole:
         self.ctx = ctx
         self.runner = runner
         self.hops = hops
-        self.codec = ctx.config.train.wire_codec
 
     def forward_job(self, msg: Forward, x: WireTensor) -> Job:
-        runner, codec, stage = self.runner, self.codec, self.runner.stage
+        runner, stage = self.runner, self.runner.stage
+        codec = self.hops.codec(math.prod(x.shape), runner.job_s)
         path = [*msg.path, Hop(stage, self.ctx.peer_id, self.ctx.state.address)]
         route = msg.route or list(range(1, self.ctx.num_stages))
         hop = len(msg.path) - 1  # our position in the route
@@ -62,13 +64,14 @@ class BlockRole:
         return job
 
     def backward_job(self, msg: Backward, g: WireTensor) -> Job:
-        runner, codec = self.runner, self.codec
+        runner = self.runner
         if not runner.has_saved(msg.mb_id):
             raise Refused(
                 "unknown_microbatch",
                 f"no saved activations for {msg.mb_id} (expired or never seen)",
                 410,
             )
+        codec = self.hops.codec(math.prod(g.shape), runner.job_s)
 
         def compute() -> Backward:
             grad = runner.block_backward(msg.mb_id, g.decode())

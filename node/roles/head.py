@@ -236,7 +236,7 @@ class HeadRole:
         p.mb_id = f"{self.ctx.peer_id[:8]}.{seq}.{self._num_issues}"
         self.pending[p.mb_id] = p
         self.ctx.counters["microbatches_issued"] += 1  # with the insert: issued == ended + pending
-        codec = self.train.wire_codec
+        codec = self.hops.codec(ids.numel() * self.config.model.d_model, runner.job_s)
         route: list[int] = []
         if self.config.recovery.method == "checkfree+" and eval_result is None:
             route = checkfree_plus_route(seq, self.config.swarm.num_block_stages)
@@ -290,7 +290,7 @@ class HeadRole:
         """Final hidden states arrived: loss, and for training the gradient sent back."""
         p = self._pending(msg.mb_id)
         runner = self.runner
-        codec = self.train.wire_codec
+        codec = self.hops.codec(math.prod(h.shape), runner.job_s)
 
         async def job() -> Send | None:
             if p.eval_result is not None:

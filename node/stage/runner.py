@@ -509,6 +509,13 @@ class StageRunner:
         count together whatever order they come in."""
         return self._recent_samples / self._recent_s if self._recent_s > 0 else 0.0
 
+    @property
+    def job_s(self) -> float:
+        """Seconds of compute per job (one microbatch's forward or backward: half of its
+        samples over the service rate), 0 until measured."""
+        rate = self.service_rate
+        return self.config.data.batch_size / rate / 2 if rate > 0 else 0.0
+
     def seed_rate(self, rate: float, weight_s: float = 1.0) -> None:
         """Start the service rate from an estimate worth ``weight_s`` seconds of work."""
         self._recent_samples, self._recent_s = rate * weight_s, weight_s if rate > 0 else 0.0

@@ -1,0 +1,109 @@
+"""Which encoding a node's activations and gradients travel in, chosen by its link.
+
+SWARM Parallelism (Ryabinin et al., ICML 2023, arXiv 2301.11913) compresses activations to
+8 bits because volunteers' links are thin; on a LAN the compression only costs CPU.
+``bench/wan.py`` measured it on a 20 Mbit/s uplink at 50 ms: bf16 activations carried 3,344
+tokens/s, blockwise int8 6,396 (and the eval loss of int8 matched fp32's in ``bench/perf.py``,
++0.04 %). With ``train.wire_codec = auto`` (the default) a node picks by its own link, as
+its receivers measure it:
+
+- every receiver of a microbatch times how long the request's body took to arrive (from
+  its headers to its last byte: the transfer, not the round trip) and reports the rate in
+  its ``Ack`` (``Ack.rate``, bytes per second; 0 for bodies under ``MIN_TIMED_BYTES``,
+  which arrive with their headers, and for relayed ones);
+- the sender keeps a moving average ``r`` of those rates: what its payloads actually get,
+  its share of its uplink when several are in flight at once;
+- a link keeps up when sending one job's output takes no longer than computing it (the
+  pipeline's slowest part sets its pace; SWARM's throughput model counts both): the node
+  takes the most precise codec ``k`` of ``CANDIDATES`` whose payload ``n_k`` satisfies
+  ``n_k / r <= c``, ``c`` its compute seconds per job; when none does, the most compact.
+  It moves back to a more precise codec only when that one would take at most half of
+  ``c`` (``UP_MARGIN``): the rate is measured under the current codec, and sending twice
+  the bytes makes sends overlap and each one's share smaller, so without the margin a node
+  on the edge would flip at every measurement. The rule compares a node's sending time
+  with its own compute time, not with the pipeline's pace: the pace is set by the link
+  itself when the link is the bottleneck, so it cannot tell. A node whose jobs are short
+  (the head: an embedding lookup, a loss) therefore takes int8 sooner than it must, which
+  costs no measurable loss.
+
+"Per link" here means per node: the scarce link of a volunteer is its own uplink, which
+every hop it sends shares, so one choice per node serves all its links; a receiver decodes
+whatever codec a frame declares, so nodes that chose differently still interoperate.
+A receiver that lies about rates can only move its sender between bf16 and int8 (reports
+that are not positive finite numbers are ignored). fp32 is not a candidate (bf16 lost
+nothing against it in ``bench/perf.py``); a fixed ``train.wire_codec`` bypasses this policy.
+Measured in ``bench/README.md``: at 20 Mbit/s ``auto`` carried 0.99 of fixed int8's
+tokens/s (1.99x bf16's), at 100 Mbit/s 1.09x bf16's; on loopback every node keeps bf16.
+
+Pure policy: numbers in, a codec name out; no clock needed (rates come with their samples).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protocol.quant import DEFAULT_BLOCK
+
+CANDIDATES: tuple[str, ...] = ("bf16", "int8")
+"""Codecs ``auto`` chooses from, most precise first."""
+BYTES_PER_VALUE = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / DEFAULT_BLOCK}
+"""Wire bytes per tensor value of each codec (int8: one fp32 scale per block)."""
+MIN_TIMED_BYTES = 64 * 1024
+"""Bodies smaller than this arrive with their headers: their time says nothing of the link."""
+UP_MARGIN = 0.5
+"""A more precise codec is taken back only when its payload would take this fraction of a
+job's compute time or less."""
+
+
+def payload_bytes(codec: str, numel: int) -> float:
+    """Bytes a tensor of ``numel`` values takes on the wire in ``codec`` (headers aside)."""
+    return BYTES_PER_VALUE[codec] * numel
+
+
+def arrival_rate(nbytes: int, seconds: float) -> float:
+    """What a receiver reports for a body of ``nbytes`` read in ``seconds``: bytes per
+    second, or 0 when the body is too small to time (or the clock saw no time pass)."""
+    if nbytes < MIN_TIMED_BYTES or not seconds > 0:
+        return 0.0
+    return nbytes / seconds
+
+
+@dataclass
+class CodecChoice:
+    """A node's current wire codec and the link rate it was chosen by."""
+
+    codec: str = CANDIDATES[0]
+    rate_bytes_s: float | None = None
+    """Moving average of the rates receivers reported; None before the first."""
+    ema: float = 0.3
+    """Weight of each new report."""
+    num_switches: int = 0
+
+    def observe(self, rate_bytes_s: float) -> None:
+        """A receiver's report (``Ack.rate``); zero, negative or non-finite ones are not
+        measurements and are ignored."""
+        if not (math.isfinite(rate_bytes_s) and rate_bytes_s > 0):
+            return
+        prev = self.rate_bytes_s
+        self.rate_bytes_s = (
+            rate_bytes_s if prev is None else prev + self.ema * (rate_bytes_s - prev)
+        )
+
+    def choose(self, numel: int, compute_s: float) -> str:
+        """The codec for the next tensor of ``numel`` values, from a node that computes a
+        job in ``compute_s`` seconds (the current one while either is unknown)."""
+        rate = self.rate_bytes_s
+        if rate is None or not compute_s > 0 or numel <= 0:
+            return self.codec
+        here = CANDIDATES.index(self.codec) if self.codec in CANDIDATES else 0
+        want = len(CANDIDATES) - 1  # the most compact, unless a more precise one keeps up
+        for i, codec in enumerate(CANDIDATES):
+            budget = compute_s * (UP_MARGIN if i < here else 1.0)
+            if payload_bytes(codec, numel) / rate <= budget:
+                want = i
+                break
+        if CANDIDATES[want] != self.codec:
+            self.codec = CANDIDATES[want]
+            self.num_switches += 1
+        return self.codec

@@ -1,0 +1,160 @@
+"""``swarm.wirecodec``: the wire codec a node takes by its link, on hand-computed examples."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from node.display import format_status
+from node.metrics import NodeCollector
+from protocol.frames import join_frame
+from protocol.messages import Ack, decode_message, encode_message
+from swarm.wirecodec import (
+    MIN_TIMED_BYTES,
+    CodecChoice,
+    arrival_rate,
+    payload_bytes,
+)
+from tests.test_hostile import forward, start_node
+
+NUMEL = 16 * 128 * 128  # one microbatch's activations in the tiny model: 262,144 values
+BF16 = 524_288  # 2 bytes a value
+INT8 = 262_144 + 128 * 4  # 1 byte a value and one fp32 scale per block of 2048
+
+
+def test_payload_bytes_by_codec() -> None:
+    assert payload_bytes("bf16", NUMEL) == BF16
+    assert payload_bytes("int8", NUMEL) == INT8
+    assert payload_bytes("fp32", NUMEL) == 2 * BF16
+
+
+def test_arrival_rate_needs_a_body_big_enough_to_time() -> None:
+    assert arrival_rate(1_000_000, 0.5) == 2_000_000
+    assert arrival_rate(MIN_TIMED_BYTES - 1, 0.5) == 0.0  # arrived with its headers
+    assert arrival_rate(1_000_000, 0.0) == 0.0
+
+
+def test_keeps_bf16_while_the_link_keeps_up_with_compute() -> None:
+    c = CodecChoice()
+    c.observe(12.5e6)  # 100 Mbit/s: a bf16 payload takes 524,288 / 12.5e6 = 41.9 ms
+    assert c.choose(NUMEL, compute_s=0.050) == "bf16"  # 41.9 ms <= 50 ms
+    assert c.num_switches == 0
+
+
+def test_takes_int8_on_a_thin_link_and_stays_on_it_when_nothing_keeps_up() -> None:
+    c = CodecChoice()
+    c.observe(2.5e6)  # 20 Mbit/s: bf16 209.7 ms, int8 105.1 ms, both over 50 ms
+    assert c.choose(NUMEL, compute_s=0.050) == "int8"
+    assert c.choose(NUMEL, compute_s=0.050) == "int8"
+    assert c.num_switches == 1
+
+
+def test_goes_back_to_bf16_only_with_a_margin() -> None:
+    c = CodecChoice(codec="int8")
+    c.observe(12.5e6)  # bf16 would take 41.9 ms: within 50 ms but not within half of it
+    assert c.choose(NUMEL, compute_s=0.050) == "int8"
+    c = CodecChoice(codec="int8")
+    c.observe(25e6)  # bf16 would take 21.0 ms <= 25 ms
+    assert c.choose(NUMEL, compute_s=0.050) == "bf16"
+    assert c.num_switches == 1
+
+
+def test_unknown_rate_or_compute_time_keeps_the_current_codec() -> None:
+    assert CodecChoice().choose(NUMEL, compute_s=0.05) == "bf16"  # no report yet
+    c = CodecChoice()
+    c.observe(1e3)
+    assert c.choose(NUMEL, compute_s=0.0) == "bf16"  # compute time not measured yet
+
+
+def test_reports_average_and_non_measurements_are_ignored() -> None:
+    c = CodecChoice()
+    for bad in (0.0, -5.0, math.inf, math.nan):
+        c.observe(bad)
+    assert c.rate_bytes_s is None
+    c.observe(10.0)
+    c.observe(20.0)
+    assert c.rate_bytes_s == pytest.approx(13.0)  # 10 + 0.3 * (20 - 10)
+
+
+def test_agrees_with_the_rule_stated_independently() -> None:
+    """The rule in words: the most precise codec whose payload is sent within one job's
+    compute time (within half of it, to move to a more precise codec than the current);
+    the most compact when none is."""
+    sizes = {"bf16": BF16, "int8": INT8}
+    for current in ("bf16", "int8"):
+        for rate in (1e5, 1e6, 5e6, 1e7, 2e7, 5e7, 1e9):
+            for compute_s in (0.001, 0.01, 0.03, 0.1, 1.0):
+                bf16_ok = sizes["bf16"] / rate <= compute_s * (0.5 if current == "int8" else 1)
+                expected = "bf16" if bf16_ok else "int8"
+                c = CodecChoice(codec=current)
+                c.observe(rate)
+                assert c.choose(NUMEL, compute_s) == expected, (current, rate, compute_s)
+
+
+# ---- the receiver's side: a real node times what arrives --------------------------------
+
+
+async def test_a_node_acks_a_microbatch_with_the_rate_its_body_arrived_at() -> None:
+    """A forward posted through a client that sends 1 MB in 8 chunks 50 ms apart (a thin
+    uplink, about 3 MB/s) is acked with about that rate; a small one with none."""
+    node = await start_node(**{"net.max_frame_bytes": 4 << 20})
+    try:
+        frame = join_frame(encode_message(forward(torch.zeros(16, 128, 128), mb_id="00000000.3.1")))
+        assert len(frame) > 1_000_000
+
+        async def thin_uplink() -> Any:
+            step = len(frame) // 8 + 1
+            for i in range(0, len(frame), step):
+                yield frame[i : i + step]
+                await asyncio.sleep(0.05)
+
+        url = f"http://{node.state.address}/rpc"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, data=thin_uplink()) as resp:
+                reply = decode_message(await resp.read())
+            assert isinstance(reply, Ack), reply
+            # 1 MB over 7 gaps of 50 ms (the first chunk comes with the headers): ~3 MB/s
+            assert 1.5e6 < reply.rate < 4.5e6, reply.rate
+            small = join_frame(encode_message(forward(mb_id="00000000.4.1")))
+            async with session.post(url, data=small) as resp:
+                assert decode_message(await resp.read()) == Ack()  # too small to time
+    finally:
+        await node.close()
+
+
+async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
+    node = await start_node()  # auto is the default
+    try:
+        assert node.status()["wire"] == {
+            "codec": "bf16",
+            "auto": True,
+            "link_mbps": None,
+            "switches": 0,
+        }
+        node.hops.wire.observe(2.5e6)  # 20 Mbit/s
+        assert node.hops.codec(NUMEL, 0.05) == "int8"
+        assert node.status()["wire"] == {
+            "codec": "int8",
+            "auto": True,
+            "link_mbps": 20.0,
+            "switches": 1,
+        }
+        assert "wire codec int8 (auto: payloads arrive at 20.0 Mbit/s)" in format_status(
+            node.status()
+        )
+        names = {m.name: m for m in NodeCollector(node).collect()}
+        assert names["murmur_wire_link_bytes_per_second"].samples[0].value == 2.5e6
+        assert names["murmur_wire"].samples[0].labels == {"codec": "int8", "auto": "true"}
+    finally:
+        await node.close()
+    fixed = await start_node(**{"train.wire_codec": "bf16"})
+    try:
+        fixed.hops.wire.observe(2.5e6)
+        assert fixed.hops.codec(NUMEL, 0.05) == "bf16"  # a fixed codec is never second-guessed
+    finally:
+        await fixed.close()
