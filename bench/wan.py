@@ -17,7 +17,11 @@ same window policy in the same invocation: the machine is noisy):
 - a mixed swarm at 50 ms: two replicas per block stage, one of them 2x (stage 1) or 4x
   (stage 2) slower (``train.slowdown``), to see whether each replica's share of the
   microbatches follows its share of the stage's compute capacity (its measured service rate);
-- the activation codec at 50 ms and 20 Mbit/s: fp32 and int8 beside the default bf16.
+- the activation codec at 50 ms and 20 Mbit/s: fp32, int8 and ``auto`` (``swarm.wirecodec``:
+  chosen by each node from the arrival rates its receivers report) beside the default
+  bf16, and ``auto`` beside bf16 at 50 ms and 100 Mbit/s; each run records the codec every
+  node ended with and the link rate its receivers reported (``wire``). Every other variant
+  sends bf16. ``--quick`` runs 0 and 50 ms, and ``auto`` at 20 Mbit/s.
 
 Per run: the head's tokens/s from the end of a warm-up until the token budget is spent; each
 compute thread's busy time over wall time (``compute_busy_s`` in ``node status``); the
@@ -79,8 +83,9 @@ class Variant:
     window: str = "fixed"
     slowdown: dict[int, list[float]] = field(default_factory=dict)
     """Block stage -> its replicas' ``train.slowdown`` (missing: 1)."""
-    codec: str = TrainConfig().wire_codec
-    """``train.wire_codec``: activations and gradients on the wire."""
+    codec: str = "bf16"
+    """``train.wire_codec``: activations and gradients on the wire (bf16 unless the variant
+    compares codecs, so that the node's choice does not confound latency)."""
     max_in_flight: int = TrainConfig().max_in_flight
     """``train.max_in_flight``: the window (fixed) or its bound (adaptive)."""
     seed: int = 0
@@ -89,7 +94,11 @@ class Variant:
 
 def variants(quick: bool) -> list[Variant]:
     if quick:
-        return [Variant("0ms", 0, 100), Variant("50ms", 50, 100)]
+        return [
+            Variant("0ms", 0, 100),
+            Variant("50ms", 50, 100),
+            Variant("50ms-20mbit-auto", 50, 20, codec="auto"),
+        ]
     out = []
     for window, top in (("fixed", TrainConfig().max_in_flight), ("adaptive", ADAPTIVE_MAX)):
         for lat in (0, 25, 50, 100):
@@ -100,8 +109,10 @@ def variants(quick: bool) -> list[Variant]:
         Variant("2rep-50ms", 50, 100, replicas=2, window=DEFAULT_WINDOW),
         Variant("mixed-50ms", 50, 100, 2, DEFAULT_WINDOW, {1: [1, 2], 2: [1, 4], 3: [1, 1]}),
     ]
-    for codec in ("fp32", "int8"):  # against the default bf16 of "50ms-20mbit"
+    for codec in ("fp32", "int8", "auto"):  # against the default bf16 of "50ms-20mbit"
         out.append(Variant(f"50ms-20mbit-{codec}", 50, 20, window=DEFAULT_WINDOW, codec=codec))
+    for codec in ("bf16", "auto"):  # at 100 Mbit/s, one after the other
+        out.append(Variant(f"50ms-{codec}", 50, 100, window=DEFAULT_WINDOW, codec=codec))
     return out
 
 
@@ -205,6 +216,10 @@ def run(v: Variant, tokens: int, warmup_s: float, logs: Path) -> dict[str, Any]:
             "compute_utilisation": util,
             "utilisation_mean": statistics.mean(util.values()),
             "seconds": wall,
+            "wire": {
+                f"{i + 1}:s{s}": {k: st1[h.name]["wire"][k] for k in ("codec", "link_mbps")}
+                for i, (h, s) in enumerate(zip(lab.hosts, stages, strict=True))
+            },
         }
         if v.replicas > 1:
             out["shares"] = shares(blocks, st0, st1)
@@ -344,6 +359,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="comma-separated variant names to run; their rows replace those in the results",
     )
     p.add_argument("--seed", type=int, default=0, help="swarm.seed of every run")
+    p.add_argument(
+        "--window", choices=("fixed", "adaptive"), help="only the variants of this window policy"
+    )
     p.add_argument("--replot", action="store_true", help="summarise wan.json again and redraw")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -363,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     todo = [
         replace(v, seed=args.seed)
         for v in variants(args.quick)
-        if not args.only or v.name in args.only.split(",")
+        if (not args.only or v.name in args.only.split(","))
+        and (args.window is None or v.window == args.window)
     ]
     runs = []
     for v in todo:
