@@ -204,6 +204,10 @@ class RingAllReduce:
         self.held_bytes -= rnd.held.pop((phase, step), 0)
         return got
 
+    def round_ids(self) -> list[str]:
+        """Rounds with a mailbox here: started here, or by a peer whose chunks came first."""
+        return list(self._rounds)
+
     def forget_stale(self, keep: Callable[[str], bool]) -> None:
         """Drop mailboxes of rounds ``keep`` rejects (chunks for rounds we will never run)."""
         for round_id in [r for r in self._rounds if not keep(r)]:

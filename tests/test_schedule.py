@@ -47,3 +47,25 @@ def test_power_of_two_grids_nest(fine: float, coarse: float) -> None:
     coarse_ms = {next_boundary(t + i * coarse, coarse) for i in range(int(3600 / coarse))}
     fine_ms = {next_boundary(t + i * fine, fine) for i in range(int(3600 / fine) + 1)}
     assert coarse_ms <= fine_ms
+
+
+def test_a_replica_catches_up_with_the_latest_clock_round_a_partner_is_in() -> None:
+    """``node.services.sync._newer_clock_round``: a DiLoCo ring round of this stage at a
+    later boundary that has passed (within the skew allowance) is joined; other stages,
+    other kinds, earlier boundaries and future ones are not."""
+    from node.services.sync import CLOCK_SKEW_MS, _newer_clock_round
+
+    now = 1_000_000
+    held = [
+        "diloco:1:996000",  # this round
+        "diloco:1:992000",  # an earlier one
+        "diloco:2:1000000",  # another stage
+        "dp:1:7",  # data parallel, keyed by step
+        "diloco:1:1000000",  # the partner's, one boundary later: join it
+        f"diloco:1:{now + CLOCK_SKEW_MS + 4000}",  # no partner can be there yet
+        "diloco:1:x",
+    ]
+    assert _newer_clock_round(held, 1, 996_000, now) == 1_000_000
+    assert _newer_clock_round(held, 1, 1_000_000, now) is None
+    assert _newer_clock_round(["diloco:1:1001000"], 1, 996_000, now) == 1_001_000  # skew
+    assert _newer_clock_round([], 1, 996_000, now) is None

@@ -39,6 +39,21 @@ def sync_of(address: str) -> dict[str, Any]:
     return out
 
 
+def two_replica_swarm(s: LocalSwarm) -> tuple[str, str, str, str]:
+    """Head, two replicas of stage 1, stage 2, all serving: their addresses."""
+    head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
+    for x in (head, a, b, last):
+        wait_ready(x, 90, s)
+    return head, a, b, last
+
+
+def kill(s: LocalSwarm, address: str) -> None:
+    """SIGKILL the node at ``address`` and wait until it is gone."""
+    victim = next(p for n, p, _ in s.procs if n.endswith(address.rsplit(":", 1)[1]))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+
+
 def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
     """Head, 3 replicas of stage 1, stage 2: the mean RMS distance between partners' slow
     weights at exchange time (same round) over the second half of ``rounds`` outer rounds."""
@@ -74,13 +89,9 @@ def test_noloco_pull_term_keeps_replicas_closer(tmp_path: Path) -> None:
 def test_killing_a_partner_leaves_the_survivor_training(tmp_path: Path) -> None:
     s = LocalSwarm(tmp_path, BASE)
     try:
-        head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
-        for x in (head, a, b, last):
-            wait_ready(x, 90, s)
+        head, a, b, last = two_replica_swarm(s)
         wait_for(lambda: sync_of(a)["rounds"].get("paired", 0) >= 2, 120, "paired rounds")
-        victim = next(p for n, p, _ in s.procs if n.endswith(b.rsplit(":", 1)[1]))
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
+        kill(s, b)
         rounds_then = sync_of(a)["outer_steps"]
         done_then = fetch_status(head)["counters"]["microbatches_completed"]
         wait_for(
@@ -96,9 +107,7 @@ def test_killing_a_partner_leaves_the_survivor_training(tmp_path: Path) -> None:
 def test_ring_methods_keep_two_replicas_identical(tmp_path: Path, method: str) -> None:
     s = LocalSwarm(tmp_path, {**BASE, "sync.method": method})
     try:
-        head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
-        for x in (head, a, b, last):
-            wait_ready(x, 90, s)
+        head, a, b, last = two_replica_swarm(s)
         wait_for(
             lambda: sync_of(a)["rounds"].get("allreduced", 0) >= 3,
             150,
@@ -106,12 +115,14 @@ def test_ring_methods_keep_two_replicas_identical(tmp_path: Path, method: str) -
             describe=lambda: {x: sync_of(x) for x in (a, b)},
         )
         st = sync_of(a)
-        assert st["bytes_sent"] > 0 and st["rounds"].get("failed", 0) <= 1
-        if method == "diloco" and not st["rounds"].get("failed", 0):
+        assert st["bytes_sent"] > 0 and st["rounds"].get("failed", 0) <= 2
+        failed = sum(sync_of(x)["rounds"].get("failed", 0) for x in (a, b))
+        if method == "diloco" and not failed:
             # after an outer step both replicas hold the same slow weights. A failed round
-            # (allowed above: the first may start before both replicas know each other)
-            # makes each apply its own pseudo-gradient, and DiLoCo's slow weights then stay
-            # apart for good, so identity is only checked on a run without one.
+            # (allowed above: the first may start before both replicas know each other, and
+            # a replica left one clock round behind then gives up the round it is in to
+            # join its partner's) makes each apply its own pseudo-gradient, and DiLoCo's slow
+            # weights then stay apart for good, so identity is only checked when neither failed one.
             assert rms_distance(slow_weights(a), slow_weights(b)) < 1e-6
     finally:
         s.stop(grace_s=5)
@@ -124,13 +135,9 @@ def test_replicas_that_get_no_work_keep_the_round_clock(tmp_path: Path) -> None:
     their DiLoCo rounds go on all-reducing."""
     s = LocalSwarm(tmp_path, {**BASE, "sync.method": "diloco"})
     try:
-        head, a, b, last = (s.start_node(stage) for stage in (0, 1, 1, 2))
-        for x in (head, a, b, last):
-            wait_ready(x, 90, s)
+        head, a, b, last = two_replica_swarm(s)
         wait_for(lambda: sync_of(a)["rounds"].get("allreduced", 0) >= 1, 120, "a first round")
-        victim = next(p for n, p, _ in s.procs if n.endswith(head.rsplit(":", 1)[1]))
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
+        kill(s, head)
         time.sleep(2)  # jobs already queued finish
         then = {x: sync_of(x)["rounds"].get("allreduced", 0) for x in (a, b)}
         wait_for(

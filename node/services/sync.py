@@ -21,6 +21,7 @@ Also keeps the statistics ``node status`` and the metrics show.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
@@ -90,6 +91,8 @@ class StageSync:
         self._period_checked = -math.inf
         self.last_round = -1
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
+        self._join_round: int | None = None
+        """A later clock round a partner is in: taken next, at once."""
         self.gossip = GossipService(
             GossipConfig(
                 request_timeout_s=self.config.request_timeout_s,
@@ -177,6 +180,9 @@ class StageSync:
     def _boundary_due(self) -> int | None:
         """The latest grid boundary (ms since the epoch) passed and not taken yet, if any. A
         replica that starts serving skips the boundary already behind it."""
+        join, self._join_round = self._join_round, None
+        if join is not None and join > self.last_round:
+            return join  # a partner is in it already (``_unless_superseded``)
         period = self._round_period()
         if period is None:
             return None
@@ -275,11 +281,19 @@ class StageSync:
         peers = [Hop(p.stage, p.peer_id, p.address) for p in self.ctx.table.replicas(self.stage)]
         return sorted([me, *peers], key=lambda h: h.peer_id)
 
-    async def _ring_mean(self, round_id: str, flat: torch.Tensor) -> torch.Tensor:
+    async def _ring_mean(
+        self, round_id: str, flat: torch.Tensor, clock_round: int | None = None
+    ) -> torch.Tensor:
+        """The mean of ``flat`` over the stage's replicas, or ``flat`` when the ring fails.
+        ``clock_round``: this round's boundary on the clock schedule; a partner's chunk for
+        a later boundary ends the round at once (see ``_newer_clock_round``)."""
         members = self.members()
         sent0, recv0 = self.ring.bytes_sent, self.ring.bytes_received
         try:
-            mean = await self.ring.allreduce(round_id, members, flat)
+            ring = asyncio.ensure_future(self.ring.allreduce(round_id, members, flat))
+            if clock_round is not None:
+                await self._unless_superseded(ring, clock_round)
+            mean = await ring
             self.rounds["allreduced" if len(members) > 1 else "solo"] += 1
             return mean
         except RingFailed as e:
@@ -295,10 +309,28 @@ class StageSync:
             self.bytes_sent += self.ring.bytes_sent - sent0
             self.bytes_received += self.ring.bytes_received - recv0
 
+    async def _unless_superseded(self, ring: asyncio.Future[torch.Tensor], boundary: int) -> None:
+        """Wait for ``ring``; cancel it (``RingFailed``) as soon as a partner's chunk shows
+        it is in a later clock round, and take that round next.
+
+        Two replicas that start a clock round one boundary apart (one became ready just
+        after a boundary the other took with it as a member) each wait out the ring's
+        timeout, fail, and take the latest boundary then; when the timeout is not a multiple
+        of the period they stay one boundary apart for good, every round failing (CI saw 14
+        in a row). The later round wins: the replica behind joins it at once."""
+        while not ring.done():
+            await asyncio.wait({ring}, timeout=0.2)
+            now_ms = int(time.time() * 1000)
+            newer = _newer_clock_round(self.ring.round_ids(), self.stage, boundary, now_ms)
+            if newer is not None and not ring.done():
+                ring.cancel()
+                self._join_round = newer
+                raise RingFailed(f"a partner is already in the round of boundary {newer}")
+
     async def _diloco(self, round_: int) -> None:
         round_id = f"diloco:{self.stage}:{round_}"
         delta = await self.runner.compute(self.runner.outer_delta)
-        mean = await self._ring_mean(round_id, delta)
+        mean = await self._ring_mean(round_id, delta, round_ if self.clocked else None)
         await self.runner.compute(self.runner.apply_diloco, mean)
 
     async def _allreduce_grads(self) -> None:
@@ -336,6 +368,26 @@ class StageSync:
             "typical_distance": self.screen.typical(),
             "promises_lapsed": self.gossip.num_lapsed,
         }
+
+
+CLOCK_SKEW_MS = 2000
+"""How far ahead of this node's clock a partner's round may be: a boundary further in the
+future is no round a partner can be in (its chunks are ignored for catching up, so a member
+cannot send this replica to a round that never comes)."""
+
+
+def _newer_clock_round(round_ids: list[str], stage: int, boundary: int, now_ms: int) -> int | None:
+    """The latest DiLoCo clock round of ``stage`` after ``boundary`` that a partner has
+    started (its chunks wait in a mailbox here) and whose boundary has passed, give or take
+    ``CLOCK_SKEW_MS``; None if there is none."""
+    later = []
+    for round_id in round_ids:
+        kind, of, number = _parse_round_id(round_id)
+        if kind != "diloco" or of != str(stage) or not number.isdigit():
+            continue
+        if boundary < int(number) <= now_ms + CLOCK_SKEW_MS:
+            later.append(int(number))
+    return max(later, default=None)
 
 
 def _parse_round_id(round_id: str) -> tuple[str, str, str]:
