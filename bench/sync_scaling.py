@@ -18,8 +18,16 @@ With ``--hivemind PYTHON`` (a Python that has hivemind, never this project's: se
 ``bench/perf_hivemind.py``) the same run also times hivemind's ``DecentralizedAverager``
 all-reduce of a tensor of the same size at the same N, for a side-by-side comparison.
 
+With ``--netns`` every replica runs in a network namespace of its own (``tests/netns.py``)
+whose uplink is a real kernel token bucket at ``--bandwidth-mbps`` (``tc tbf``: packets queue,
+TCP's windows and every transfer overlap as on separate machines), instead of the
+transport's emulated cap; latency, if any, is still the transport's (this kernel has no
+netem). This is the volunteer's case: every replica owns its uplink, so two pairs
+exchanging at once do not share one, and on two shared cores the emulation (which sleeps
+for the wire time, then copies at CPU speed) is the less faithful of the two.
+
 Writes ``bench/results/NAME.json`` and ``NAME.png`` (``--name``, default ``sync_scaling``).
-Usage: ``python -m bench.sync_scaling [--quick] [--numel N] [--hivemind PYTHON]``.
+Usage: ``python -m bench.sync_scaling [--quick] [--numel N] [--netns] [--hivemind PYTHON]``.
 """
 
 from __future__ import annotations
@@ -48,8 +56,34 @@ def stage_numel(preset: str = "tiny", num_block_stages: int = 3) -> int:
     return len(stage_blocks(cfg, num_block_stages, 1)) * cfg.block_params()
 
 
+PORT = 7900  # in --netns mode every replica has an address of its own
+
+
 def measure(n: int, numel: int, args: argparse.Namespace) -> dict[str, Any]:
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    if not args.netns:
+        addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        return _measure(n, numel, args, addresses, subprocess.Popen, args.bandwidth_mbps)
+    from tests.netns import Lab
+
+    with Lab.create(n) as lab:
+        for host in lab.hosts:
+            if args.bandwidth_mbps:
+                host.cap_uplink(args.bandwidth_mbps)
+        addresses = [f"{h.address}:{PORT}" for h in lab.hosts]
+        hosts = iter(lab.hosts)
+        return _measure(n, numel, args, addresses, lambda cmd, **kw: next(hosts).popen(cmd, **kw), 0)
+
+
+def _measure(
+    n: int,
+    numel: int,
+    args: argparse.Namespace,
+    addresses: list[str],
+    popen: Any,
+    emulated_mbps: float,
+) -> dict[str, Any]:
+    """Start one worker per address with ``popen`` (this host, or one namespace each), each
+    emulating ``emulated_mbps`` of uplink in its transport (0: none), and collect their rows."""
     start_at = time.time() + 6.0 + 0.5 * n
     cmd = [
         sys.executable,
@@ -68,14 +102,11 @@ def measure(n: int, numel: int, args: argparse.Namespace) -> dict[str, Any]:
         "--latency-ms",
         str(args.latency_ms),
         "--bandwidth-mbps",
-        str(args.bandwidth_mbps),
+        str(emulated_mbps),
         "--listen-s",
         str(args.listen_s),
     ]
-    procs = [
-        subprocess.Popen([*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True)
-        for i in range(n)
-    ]
+    procs = [popen([*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True) for i in range(n)]
     rows = []
     for p in procs:
         out, _ = p.communicate(timeout=start_at - time.time() + args.reps * args.period + 120)
@@ -166,6 +197,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(
         f"Sync time of one stage ({p['stage_bytes'] / 1e6:.1f} MB), {p['latency_ms']:.0f} ms one-way, "
         + (f"{p['bandwidth_mbps']:.0f} Mbit/s" if p["bandwidth_mbps"] else "no uplink cap")
+        + (" (token buckets)" if p.get("uplink", "").startswith("kernel") else "")
     )
     ax.set_xlabel("replicas of the stage (N)")
     ax.set_ylabel("seconds per synchronisation")
@@ -175,7 +207,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -184,13 +216,18 @@ def main() -> None:
     p.add_argument("--period", type=float, default=8.0, help="seconds between repetitions")
     p.add_argument("--latency-ms", type=float, default=25.0)
     p.add_argument("--bandwidth-mbps", type=float, default=100.0, help="0: no uplink cap")
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="each replica in its own network namespace, its uplink a kernel token bucket",
+    )
     p.add_argument("--listen-s", type=float, default=0.05)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--numel", type=int, default=0, help="values per stage (0: the preset's)")
     p.add_argument("--hivemind", default="", help="a Python with hivemind: compare with it")
     p.add_argument("--name", default="sync_scaling", help="results file name, no suffix")
     p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     ns = [2, 4] if args.quick else [2, 4, 8]
     if args.quick:
         args.reps = 2
@@ -236,6 +273,7 @@ def main() -> None:
             "stage_bytes": s_bytes,
             "latency_ms": args.latency_ms,
             "bandwidth_mbps": args.bandwidth_mbps,
+            "uplink": "kernel token bucket per namespace" if args.netns else "emulated",
             "listen_s": args.listen_s,
             "reps": args.reps,
             "fitted_overhead_per_message_s": c,
@@ -264,6 +302,7 @@ def main() -> None:
         f"N=1024: noloco {last['noloco_s']:.2f}s, ring {last['ring_s']:.1f}s ({last['ring_over_noloco']:.0f}x), "
         f"tree {last['tree_s']:.2f}s ({last['tree_over_noloco']:.1f}x)"
     )
+    return result
 
 
 if __name__ == "__main__":
