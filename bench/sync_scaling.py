@@ -71,7 +71,9 @@ def measure(n: int, numel: int, args: argparse.Namespace) -> dict[str, Any]:
                 host.cap_uplink(args.bandwidth_mbps)
         addresses = [f"{h.address}:{PORT}" for h in lab.hosts]
         hosts = iter(lab.hosts)
-        return _measure(n, numel, args, addresses, lambda cmd, **kw: next(hosts).popen(cmd, **kw), 0)
+        return _measure(
+            n, numel, args, addresses, lambda cmd, **kw: next(hosts).popen(cmd, **kw), 0
+        )
 
 
 def _measure(
@@ -105,6 +107,8 @@ def _measure(
         str(emulated_mbps),
         "--listen-s",
         str(args.listen_s),
+        "--timeout-s",
+        str(args.timeout_s),
     ]
     procs = [popen([*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True) for i in range(n)]
     rows = []
@@ -222,6 +226,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="each replica in its own network namespace, its uplink a kernel token bucket",
     )
     p.add_argument("--listen-s", type=float, default=0.05)
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=20.0,
+        help="fixed part of a gossip request's and a ring step's timeout (plus the transfer's "
+        "allowance at 10 Mbit/s); the round's deadline is 1.5x this, the hold half",
+    )
     p.add_argument("--preset", default="tiny")
     p.add_argument("--numel", type=int, default=0, help="values per stage (0: the preset's)")
     p.add_argument("--hivemind", default="", help="a Python with hivemind: compare with it")
@@ -275,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "bandwidth_mbps": args.bandwidth_mbps,
             "uplink": "kernel token bucket per namespace" if args.netns else "emulated",
             "listen_s": args.listen_s,
+            "timeout_s": args.timeout_s,
             "reps": args.reps,
             "fitted_overhead_per_message_s": c,
             "fitted_cost_per_byte_s": k,

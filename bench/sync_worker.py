@@ -43,7 +43,12 @@ async def main(args: argparse.Namespace) -> None:
         for i, a in zip(ids, addresses, strict=True)
     ]
     gossip = GossipService(
-        GossipConfig(request_timeout_s=20, hold_s=10, round_deadline_s=30, listen_s=args.listen_s),
+        GossipConfig(
+            request_timeout_s=args.timeout_s,
+            hold_s=args.timeout_s / 2,
+            round_deadline_s=1.5 * args.timeout_s,
+            listen_s=args.listen_s,
+        ),
         transport=link,
         clock=MonotonicClock(),
         rng=random.Random(args.index),
@@ -52,7 +57,11 @@ async def main(args: argparse.Namespace) -> None:
         replicas=lambda: [r for r in records if r.peer_id != ids[args.index]],
     )
     ring = RingAllReduce(
-        link, MonotonicClock(), ids[args.index], codec=args.codec, step_timeout_s=30
+        link,
+        MonotonicClock(),
+        ids[args.index],
+        codec=args.codec,
+        step_timeout_s=1.5 * args.timeout_s,
     )
 
     async def handle(request: web.Request) -> web.Response:
@@ -143,5 +152,6 @@ if __name__ == "__main__":
     p.add_argument("--latency-ms", type=float, default=25.0)
     p.add_argument("--bandwidth-mbps", type=float, default=100.0)
     p.add_argument("--listen-s", type=float, default=0.05)
+    p.add_argument("--timeout-s", type=float, default=20.0, help="gossip request timeout")
     p.add_argument("--codec", default="fp32")
     asyncio.run(main(p.parse_args()))

@@ -264,6 +264,11 @@ class SyncConfig:
     """Random wait for an incoming request before asking a partner (avoids everyone asking)."""
     ring_step_timeout_s: float = 10.0
     """Deadline of one ring all-reduce step; a missed one fails the round (solo fallback)."""
+    min_link_mbps: float = 10.0
+    """The slowest uplink a sync transfer is given time for: a gossip contribution or a ring
+    chunk may take its size at this rate on top of sync.request_timeout_s or
+    sync.ring_step_timeout_s (a 100 MB stage's NoLoCo contribution is 200 MB in fp32: 16 s
+    each way at 100 Mbit/s, 160 s at 10). 0: no allowance, the fixed timeouts only."""
     ring_inbox_bytes: int = 1 << 30
     """Bytes of ring chunks that may wait here for rounds (started or not) before further
     chunks are refused with ring_overload: a bound on what peers can make this node hold."""
@@ -504,6 +509,10 @@ def _validate(c: Config) -> None:
         raise ValueError(f"train.slowdown must be at least 1, got {c.train.slowdown}")
     if c.sync.round_s < 0:
         raise ValueError(f"sync.round_s must be 0 (derived) or positive, got {c.sync.round_s}")
+    if not c.sync.min_link_mbps >= 0:
+        raise ValueError(
+            f"sync.min_link_mbps must be 0 (none) or positive, got {c.sync.min_link_mbps}"
+        )
     if c.net.relays < 0 or c.net.relay_capacity < 0 or c.net.relay_max_bytes_per_s < 0:
         raise ValueError(
             "net.relays, net.relay_capacity and net.relay_max_bytes_per_s must be >= 0"

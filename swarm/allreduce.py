@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -90,12 +90,17 @@ class RingAllReduce:
         step_timeout_s: float = 10.0,
         compute: Compute[Any] | None = None,
         max_held_bytes: int = 1 << 30,
+        min_rate_bytes_s: float = 1.25e6,
     ) -> None:
+        """``step_timeout_s``: what one step may take on top of its chunk's size at
+        ``min_rate_bytes_s`` (the slowest link a round waits for, 10 Mbit/s: a 100 MB stage
+        in a ring of 2 sends 50 MB chunks, 40 s on such a link)."""
         self.transport = transport
         self.clock = clock
         self.self_id = self_id
         self.codec = codec
         self.step_timeout_s = step_timeout_s
+        self.min_rate_bytes_s = min_rate_bytes_s
         self.compute: Compute[Any] = compute or _inline
         self._rounds: dict[str, _Round] = {}
         self.max_held_bytes = max_held_bytes
@@ -163,7 +168,7 @@ class RingAllReduce:
                     meta=meta,
                     tensors=tensors,
                 )
-                got = await self._exchange(rnd, right, msg)
+                got = await self._exchange(rnd, right, msg, self._step_s(tensors))
                 r0, r1 = bounds[recv_i]
                 combine = work[r0:r1].add_ if phase == "reduce" else work[r0:r1].copy_
                 await self.compute(partial(combine, got))
@@ -172,11 +177,19 @@ class RingAllReduce:
         finally:
             self._drop(round_id)
 
-    async def _exchange(self, rnd: _Round, right: Hop, msg: RingChunk) -> torch.Tensor:
+    def _step_s(self, tensors: Mapping[str, torch.Tensor]) -> float:
+        """Time allowed for one step that moves ``tensors`` (its neighbour's are as large)."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        rate = self.min_rate_bytes_s
+        return self.step_timeout_s + (nbytes / rate if rate > 0 else 0.0)
+
+    async def _exchange(
+        self, rnd: _Round, right: Hop, msg: RingChunk, timeout_s: float
+    ) -> torch.Tensor:
         """Send our chunk of this step while waiting for our left neighbour's: one step costs
         the slower of the two, not their sum. The first failure of either ends the round."""
-        send = asyncio.ensure_future(self._send(right, msg))
-        receive = asyncio.ensure_future(self._receive(rnd, msg.phase, msg.step))
+        send = asyncio.ensure_future(self._send(right, msg, timeout_s))
+        receive = asyncio.ensure_future(self._receive(rnd, msg.phase, msg.step, timeout_s))
         try:
             await asyncio.wait({send, receive}, return_when=asyncio.FIRST_EXCEPTION)
             for task in (send, receive):
@@ -188,19 +201,19 @@ class RingAllReduce:
             for task in (send, receive):
                 task.cancel()
 
-    async def _send(self, hop: Hop, msg: RingChunk) -> None:
+    async def _send(self, hop: Hop, msg: RingChunk, timeout_s: float) -> None:
         try:
-            await self.transport.request(hop.address, msg, self.step_timeout_s, hop.peer_id)
+            await self.transport.request(hop.address, msg, timeout_s, hop.peer_id)
         except TransportError as e:
             raise RingFailed(f"sending {msg.phase}/{msg.step} to {hop.peer_id[:8]}: {e}") from None
         self.bytes_sent += sum(t.numel() * t.element_size() for t in msg.tensors.values())
 
-    async def _receive(self, rnd: _Round, phase: str, step: int) -> torch.Tensor:
+    async def _receive(self, rnd: _Round, phase: str, step: int, timeout_s: float) -> torch.Tensor:
         fut = rnd.inbox.setdefault((phase, step), _future())
         try:
-            got = await asyncio.wait_for(fut, self.step_timeout_s)
+            got = await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise RingFailed(f"no {phase}/{step} chunk within {self.step_timeout_s:.0f}s") from None
+            raise RingFailed(f"no {phase}/{step} chunk within {timeout_s:.0f}s") from None
         self.held_bytes -= rnd.held.pop((phase, step), 0)
         return got
 

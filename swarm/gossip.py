@@ -30,13 +30,13 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
 4. A proposal for round ``r`` arriving at a replica that is
    - seeking ``r``, not promised to anyone, with no proposal out: accepted; the replica
      is then *promised* and waits for that sender's contribution (at most
-     ``request_timeout_s``) instead of proposing. Two replicas that proposed to each other
+     ``request_timeout_s`` plus its upload time, below) instead of proposing. Two replicas that proposed to each other
      (each finds its own proposal out *to that very sender*) settle it by peer id: the
      larger accepts, the smaller answers ``busy`` and its own proposal is the one accepted,
      so they pair once and each contribution travels once. A promise whose contribution
-     does not come in time lapses, and that proposer's proposals are refused for the rest
-     of the round (counted in ``num_lapsed``): a member that proposes and never sends holds
-     a round up for ``request_timeout_s`` at most;
+     does not come in time lapses, and that proposer's proposals are refused for
+     ``lapse_ban_s`` (counted in ``num_lapsed``): a member that proposes and never sends
+     holds one round up for that long at most, once;
    - seeking ``r`` but paired, promised to another, or proposing to a third replica:
      ``busy`` (so three replicas that choose each other in a cycle all hear ``busy`` and
      move on: no deadlock);
@@ -46,7 +46,15 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
      are held at once; more are ``busy``.
    A contribution is accepted from the replica it was promised to, or, without a promise,
    by the same rules as a proposal (a single-message exchange, as older nodes send).
-5. When every replica is excluded, or the round's deadline passes, the replica takes a
+5. Contributions are large (twice the stage: 200 MB for a 100 MB stage in fp32) and cross
+   volunteers' uplinks, so every transfer of one is allowed its size at the slowest rate
+   waited for (``min_rate_bytes_s``, 10 Mbit/s) on top of ``request_timeout_s``: the
+   proposer's contribution request (its upload and the reply's), and the promise (the
+   upload). ``round_deadline_s`` bounds the search for a partner, not the transfer: a
+   promise given before it is kept past it, and an agreed exchange runs to its end.
+   With the fixed 10 s timeout alone a 100 MB stage at 100 Mbit/s (16 s each way) could
+   never pair.
+6. When every replica is excluded, or the round's deadline passes, the replica takes a
    solo outer step (``G = {i}``): the odd replica out and the replica whose partner died
    both end this way. Each round ends as exactly one of paired or solo.
 
@@ -60,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +92,11 @@ class Contribution:
     tensors: Mapping[str, torch.Tensor]
     meta: dict[str, Any]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors: what the wire carries, give or take the headers."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
 
 @dataclass(frozen=True)
 class GossipConfig:
@@ -96,6 +110,23 @@ class GossipConfig:
     """Before asking, and between refusals, wait up to this long (random) for a request."""
     max_held: int = 4
     """Most requests for a round not reached yet held at once; more are answered busy."""
+    min_rate_bytes_s: float = 1.25e6
+    """The slowest link a contribution is given time to cross (10 Mbit/s): sending one, and
+    waiting for a promised one, may take its size at this rate on top of
+    ``request_timeout_s``. A 100 MB stage's contribution (its slow weights and its
+    pseudo-gradient, 200 MB in fp32) takes 16 s each way on a 100 Mbit/s uplink; a fixed
+    timeout of seconds would end every such exchange solo."""
+
+    lapse_ban_s: float = 600.0
+    """How long a proposer whose promise lapsed has its proposals refused here. The wait for
+    a promised contribution grows with its size (above), so a member that proposes and never
+    sends must not be able to hold every round up for that long: one lapse, and it is
+    refused for this long (an honest proposer lapses only when it died, or its uplink is
+    slower than ``min_rate_bytes_s``)."""
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Time allowed for ``nbytes`` to cross the slowest link we wait for."""
+        return nbytes / self.min_rate_bytes_s if self.min_rate_bytes_s > 0 else 0.0
 
 
 @dataclass
@@ -144,9 +175,10 @@ class GossipService:
         """The replica whose proposal we accepted and whose contribution we wait for."""
         self._promise_until = 0.0
         self._sent_as_acceptor = False
-        self._lapsed: set[str] = set()
-        """Proposers this round whose contribution never came: their proposals are refused
-        until the next round (a member cannot hold our round by proposing again and again)."""
+        self._lapsed: dict[str, float] = {}
+        """Proposers whose contribution never came, and until when their proposals are
+        refused (``lapse_ban_s``): a member cannot hold our rounds by proposing and not
+        sending, again and again."""
         self.num_lapsed = 0
         """Promises that lapsed: proposers that did not send (they died, or misbehave)."""
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
@@ -163,7 +195,8 @@ class GossipService:
         loop = asyncio.get_running_loop()
         self._round, self._mine = round_, mine
         self._promised, self._sent_as_acceptor = None, False
-        self._lapsed.clear()
+        now = self.clock.now()
+        self._lapsed = {p: until for p, until in self._lapsed.items() if until > now}
         self._partner = partner = loop.create_future()
         self._reached.set()  # wake requests held for this round
         self._reached = asyncio.Event()
@@ -171,14 +204,18 @@ class GossipService:
         deadline = self.clock.now() + self.config.round_deadline_s
         excluded: set[str] = set()  # stale, unreachable or timed out: not asked again
         try:
-            while not partner.done() and self.clock.now() < deadline:
+            # a promise given before the deadline is kept past it: its contribution may be
+            # on the wire (a round's deadline is for finding a partner, not for the transfer)
+            while not partner.done() and (
+                self.clock.now() < deadline or self._promised is not None
+            ):
                 # Listen first: replicas that reach the round together would otherwise all
                 # be asking at once, and an asking replica answers "busy".
                 await self._listen(partner, self.rng.uniform(0.0, self.config.listen_s))
                 if partner.done():
                     break
                 if self._promised is not None:
-                    await self._keep_promise(partner, deadline)
+                    await self._keep_promise(partner)
                     continue
                 pool = [
                     p
@@ -202,20 +239,18 @@ class GossipService:
         outcome.num_sent += self._sent_as_acceptor
         return outcome
 
-    async def _keep_promise(
-        self, partner: asyncio.Future[tuple[str, Contribution]], deadline: float
-    ) -> None:
+    async def _keep_promise(self, partner: asyncio.Future[tuple[str, Contribution]]) -> None:
         """Wait for the contribution of the replica we promised to; release the promise if
         it does not come in time (the proposer gave up, or died)."""
         promised = self._promised
-        wait_s = min(self._promise_until, deadline) - self.clock.now()
+        wait_s = self._promise_until - self.clock.now()
         if wait_s > 0:
             await self._listen(partner, wait_s)
         if not partner.done() and self._promised == promised:
             log.info("gossip round %d: %s never sent its contribution", self._round, promised)
             self._promised = None
             if promised is not None:
-                self._lapsed.add(promised)
+                self._lapsed[promised] = self.clock.now() + self.config.lapse_ban_s
                 self.num_lapsed += 1
 
     async def _listen(
@@ -254,7 +289,10 @@ class GossipService:
                 tensors=mine.tensors,
             )
             outcome.num_sent += 1
-            reply = await self._request(peer, request, deadline, outcome)
+            # agreed: the exchange may finish past the round's deadline; ours goes up, and
+            # the partner's (of the same stage and codec: the same size) comes back
+            transfer_s = self.config.request_timeout_s + self.config.transfer_s(2 * mine.nbytes)
+            reply = await self._request(peer, request, deadline, outcome, transfer_s)
             if isinstance(reply, str):
                 return reply
         finally:
@@ -264,10 +302,18 @@ class GossipService:
         return None
 
     async def _request(
-        self, peer: PeerRecord, request: GossipRequest, deadline: float, outcome: RoundOutcome
+        self,
+        peer: PeerRecord,
+        request: GossipRequest,
+        deadline: float,
+        outcome: RoundOutcome,
+        timeout_s: float | None = None,
     ) -> GossipReply | str:
-        """One request to ``peer``: its reply, or the refusal's code (counted)."""
-        timeout = max(0.1, min(self.config.request_timeout_s, deadline - self.clock.now()))
+        """One request to ``peer``: its reply, or the refusal's code (counted). Without
+        ``timeout_s`` it may take ``request_timeout_s``, cut at the round's deadline."""
+        if timeout_s is None:
+            timeout_s = min(self.config.request_timeout_s, deadline - self.clock.now())
+        timeout = max(0.1, timeout_s)
         try:
             answer = await self.transport.request(peer.address, request, timeout, peer.peer_id)
             return expect(answer, GossipReply)
@@ -314,13 +360,19 @@ class GossipService:
                 "busy", f"round {req.round}: promised to, or asking, another replica", 409
             )
         if req.propose:
-            if req.sender in self._lapsed:
+            if self._lapsed.get(req.sender, -math.inf) > self.clock.now():
                 raise Refused("busy", f"round {req.round}: your last proposal lapsed here", 409)
             if self._target == req.sender and self.self_id < req.sender:
                 # we proposed to each other: the larger id accepts, so only ours stands
                 raise Refused("busy", f"round {req.round}: our own proposal to you stands", 409)
             self._promised = req.sender
-            self._promise_until = self.clock.now() + self.config.request_timeout_s
+            # its contribution is as large as ours (same stage, same codec): allow its upload
+            assert self._mine is not None
+            self._promise_until = (
+                self.clock.now()
+                + self.config.request_timeout_s
+                + self.config.transfer_s(self._mine.nbytes)
+            )
             return GossipReply(round=req.round, meta={})
         assert self._mine is not None
         partner.set_result((req.sender, Contribution(req.tensors, req.meta)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -32,6 +33,13 @@ class Net:
         """address -> senders refused there as ``unknown_peer`` until introduced."""
         self.tensor_bytes = 0
         """Tensor bytes carried by requests and replies delivered."""
+        self.rate_bytes_s = 0.0
+        """Tensor bytes per second of every link, each way (0: instant): a request's tensors
+        cross before it is handled, the reply's before it is returned, as on a thin uplink."""
+
+    async def _cross(self, msg: Message) -> None:
+        if self.rate_bytes_s:
+            await asyncio.sleep(_nbytes(msg) / self.rate_bytes_s)
 
     async def request(
         self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
@@ -44,6 +52,7 @@ class Net:
         msg = dataclasses.replace(msg, tensors={k: v.clone() for k, v in msg.tensors.items()})
         try:
             async with asyncio.timeout(timeout_s):
+                await self._cross(msg)
                 if isinstance(msg, RingChunk):
                     self.rings[address].deliver(msg)
                     return Ack()
@@ -53,6 +62,7 @@ class Net:
                     self.tensor_bytes += _nbytes(msg)
                     reply = await self.gossip[address].handle_request(msg)
                     self.tensor_bytes += _nbytes(reply)
+                    await self._cross(reply)
                     return reply
         except Refused as e:
             raise TransportError(e.code, e.message) from None
@@ -121,6 +131,41 @@ async def test_ring_member_dead_mid_round_fails_everyone_within_timeout() -> Non
         return_exceptions=True,
     )
     assert all(isinstance(r, RingFailed) for r in results)
+
+
+@pytest.mark.parametrize("allowance", [True, False])
+async def test_a_ring_step_is_given_time_for_its_chunk_to_cross_a_thin_link(
+    allowance: bool,
+) -> None:
+    """A chunk that takes longer to cross than the fixed step timeout (a large stage on a thin
+    uplink) still makes the round, given its size at the slowest rate waited for; without
+    that allowance every such round fails."""
+    net = Net()
+    net.rate_bytes_s = 40_000.0  # a 16 KB chunk (8,192 fp32 values, ring of 2): 0.4 s
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(2)]
+    for m in members:
+        net.rings[m.address] = RingAllReduce(
+            net,
+            MonotonicClock(),
+            m.peer_id,
+            step_timeout_s=0.2,
+            min_rate_bytes_s=20_000.0 if allowance else 0.0,
+        )
+    data = [torch.full((8192,), float(i)) for i in range(2)]
+    results = await asyncio.gather(
+        *(
+            net.rings[m.address].allreduce("r", members, d)
+            for m, d in zip(members, data, strict=True)
+        ),
+        return_exceptions=True,
+    )
+    if allowance:
+        assert all(
+            isinstance(r, torch.Tensor) and torch.allclose(r, torch.full((8192,), 0.5))
+            for r in results
+        )
+    else:
+        assert all(isinstance(r, RingFailed) for r in results)
 
 
 async def test_ring_members_disagree() -> None:
@@ -227,6 +272,25 @@ async def test_two_replicas_that_choose_each_other_pair_once() -> None:
     assert net.tensor_bytes == 2 * 12
 
 
+@pytest.mark.parametrize("allowance", [True, False])
+async def test_a_contribution_is_given_time_to_cross_a_thin_link(allowance: bool) -> None:
+    """A contribution that takes longer to upload than the request timeout and the round's
+    deadline (a 100 MB stage at 100 Mbit/s: 16 s each way) still pairs: the proposer's
+    request and the acceptor's promise allow its size at the slowest rate waited for, and a
+    promise given before the deadline is kept past it. Without the allowance both go solo."""
+    net = Net()
+    net.rate_bytes_s = 20_000.0  # 16 KB each way: 0.8 s up (past the deadline), 0.8 s back
+    cfg = {"request_timeout_s": 0.3, "round_deadline_s": 0.5}
+    a, b = make_gossip(net, 2, **cfg, min_rate_bytes_s=10_000.0 if allowance else 0.0)
+    big = [Contribution({"phi": torch.full((4096,), float(i))}, {"who": i}) for i in range(2)]
+    ra, rb = await asyncio.gather(a.exchange(0, big[0]), b.exchange(0, big[1]))
+    if allowance:
+        assert {ra.partner_id, rb.partner_id} == {"p0", "p1"}
+        assert ra.contribution.meta == {"who": 1} and rb.contribution.meta == {"who": 0}  # type: ignore[union-attr]
+    else:
+        assert (ra.partner_id, rb.partner_id) == (None, None)
+
+
 async def test_a_refusal_costs_no_upload_of_the_contribution() -> None:
     # eight replicas reaching the round at once refuse each other often; only the
     # contributions of replicas that pair travel, once each
@@ -265,18 +329,35 @@ async def test_a_promise_whose_proposer_vanishes_lapses_and_the_round_still_pair
     assert b.num_lapsed == 1
 
 
-async def test_a_proposer_whose_promise_lapsed_is_refused_for_the_rest_of_the_round() -> None:
+async def test_a_proposer_whose_promise_lapsed_is_refused_until_its_ban_ends() -> None:
+    """Refused for ``lapse_ban_s``, in later rounds too: the wait for a promised contribution
+    grows with its size, so one member must not hold round after round up that long."""
     net = Net()
-    _, b = make_gossip(net, 2, request_timeout_s=0.2, round_deadline_s=1.0)  # p0 stays busy
+    _, b = make_gossip(  # p0 never takes part: b stays seeking
+        net, 2, request_timeout_s=0.2, round_deadline_s=0.6, lapse_ban_s=1.5
+    )
     b_round = asyncio.ensure_future(b.exchange(0, contrib(1)))
     await asyncio.sleep(0)
     propose = GossipRequest(stage=1, round=0, sender="p9", meta={}, propose=True)
     await b.handle_request(propose)
     await asyncio.sleep(0.4)  # p9 never sends
+    ban_ends = time.monotonic() + 1.5  # it lapsed 0.2 s ago: at most this
     with pytest.raises(Refused) as info:
         await b.handle_request(propose)
     assert info.value.code == "busy" and b.num_lapsed == 1
     assert (await b_round).partner_id is None
+    b_round = asyncio.ensure_future(b.exchange(1, contrib(1)))  # the next round: still refused
+    await asyncio.sleep(0)
+    with pytest.raises(Refused) as info:
+        await b.handle_request(dataclasses.replace(propose, round=1))
+    assert info.value.code == "busy"
+    await b_round
+    await asyncio.sleep(ban_ends - time.monotonic())  # the ban is over: accepted again
+    b_round = asyncio.ensure_future(b.exchange(2, contrib(1)))
+    await asyncio.sleep(0)
+    accept = await b.handle_request(dataclasses.replace(propose, round=2))
+    assert accept.meta == {}
+    await b_round
 
 
 async def test_odd_replica_out_goes_solo_and_nobody_deadlocks() -> None:

@@ -99,6 +99,7 @@ class StageSync:
                 hold_s=self.config.hold_s,
                 round_deadline_s=self.config.round_deadline_s,
                 listen_s=self.config.listen_s,
+                min_rate_bytes_s=self.config.min_link_mbps * 125_000,
             ),
             transport=ctx.transport,
             clock=ctx.clock,
@@ -115,6 +116,7 @@ class StageSync:
             codec=self.config.codec,
             step_timeout_s=self.config.ring_step_timeout_s,
             max_held_bytes=self.config.ring_inbox_bytes,
+            min_rate_bytes_s=self.config.min_link_mbps * 125_000,
             compute=runner.compute,
         )
 

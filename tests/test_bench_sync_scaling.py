@@ -1,0 +1,43 @@
+"""The synchronisation benchmark's smoke run with real uplinks: ``bench.sync_scaling --quick
+--netns`` puts every replica in a namespace of its own behind a 10 Mbit/s kernel token
+bucket, with a stage whose NoLoCo contribution (4 MB) takes 3.2 s to cross each way, longer
+than the fixed timeout (2 s) and the round's deadline (3 s). Every round must still pair and
+every ring round finish: the transfers are given their size at the slowest rate waited for
+(``swarm.gossip``, ``swarm.allreduce``). With the fixed timeouts alone none would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import sync_scaling
+from tests.netns import netns_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+NUMEL = 500_000
+"""A 2 MB stage: phi and the pseudo-gradient in fp32 are 4 MB each way."""
+RATE_BYTES_S = 10 * 125_000
+
+
+def test_noloco_and_the_ring_finish_through_thin_real_uplinks_past_the_fixed_timeouts(
+    tmp_path: Path,
+) -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    result = sync_scaling.main(
+        ["--quick", "--netns", "--numel", str(NUMEL), "--latency-ms", "0"]
+        + ["--bandwidth-mbps", "10", "--timeout-s", "2", "--period", "16"]
+        + ["--out", str(tmp_path)]
+    )
+    assert json.loads((tmp_path / "sync_scaling.json").read_text()) == result
+    assert result["params"]["uplink"] == "kernel token bucket per namespace"
+    wire_s = 2 * 8 * NUMEL / RATE_BYTES_S  # the two contributions, one after the other
+    for m in result["measured"]:
+        assert m["noloco_paired_fraction"] == 1.0, m
+        assert m["ring_failed"] == 0, m
+        # the buckets shaped it: no exchange beat its wire time (burst and rounding aside)
+        assert m["noloco_s"] >= 0.8 * wire_s, m
