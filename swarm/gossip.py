@@ -30,13 +30,15 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
 4. A proposal for round ``r`` arriving at a replica that is
    - seeking ``r``, not promised to anyone, with no proposal out: accepted; the replica
      is then *promised* and waits for that sender's contribution (at most
-     ``request_timeout_s`` plus its upload time, below) instead of proposing. Two replicas that proposed to each other
+     ``request_timeout_s`` plus its upload time, point 5) instead of proposing. Two
+     replicas that proposed to each other
      (each finds its own proposal out *to that very sender*) settle it by peer id: the
      larger accepts, the smaller answers ``busy`` and its own proposal is the one accepted,
      so they pair once and each contribution travels once. A promise whose contribution
      does not come in time lapses, and that proposer's proposals are refused for
      ``lapse_ban_s`` (counted in ``num_lapsed``): a member that proposes and never sends
-     holds one round up for that long at most, once;
+     holds one round up for that long at most, once (it may still be proposed to: a
+     replica that died mid-exchange and came back can pair meanwhile);
    - seeking ``r`` but paired, promised to another, or proposing to a third replica:
      ``busy`` (so three replicas that choose each other in a cycle all hear ``busy`` and
      move on: no deadlock);
