@@ -35,9 +35,11 @@ def test_noloco_and_the_ring_finish_through_thin_real_uplinks_past_the_fixed_tim
     )
     assert json.loads((tmp_path / "sync_scaling.json").read_text()) == result
     assert result["params"]["uplink"] == "kernel token bucket per namespace"
-    wire_s = 2 * 8 * NUMEL / RATE_BYTES_S  # the two contributions, one after the other
+    one_way_s = 8 * NUMEL / RATE_BYTES_S  # one contribution through one bucket: 3.2 s
     for m in result["measured"]:
         assert m["noloco_paired_fraction"] == 1.0, m
         assert m["ring_failed"] == 0, m
-        # the buckets shaped it: no exchange beat its wire time (burst and rounding aside)
-        assert m["noloco_s"] >= 0.8 * wire_s, m
+        # the buckets shaped it: an acceptor has its partner's contribution after one upload,
+        # a proposer after two, one after the other (burst and rounding aside)
+        assert m["noloco_s"] >= 0.8 * one_way_s, m
+        assert m["noloco_slowest_s"] >= 0.8 * 2 * one_way_s, m
