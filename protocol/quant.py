@@ -36,6 +36,7 @@ __all__ = [
     "Quantized",
     "WireTensor",
     "all_finite",
+    "bytes_per_value",
     "decode_tensor",
     "dequantize_blockwise",
     "encode_tensor",
@@ -43,6 +44,7 @@ __all__ = [
     "from_tensors",
     "open_tensor",
     "quantize_blockwise",
+    "tensor_bytes",
     "to_tensors",
 ]
 
@@ -185,6 +187,20 @@ def from_tensors(
     if scales.numel() and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise BadTensorSpec(f"quantized tensor {prefix!r} has a negative or non-finite scale")
     return q
+
+
+def bytes_per_value(codec: str, block: int = DEFAULT_BLOCK) -> float:
+    """Bytes one value takes once ``encode_tensor`` has encoded it (int8: its code plus its
+    share of its block's fp32 scale)."""
+    sizes = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / block}
+    if codec not in sizes:
+        raise ValueError(f"unknown wire codec {codec!r}; known: {', '.join(CODECS)}")
+    return sizes[codec]
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a message's tensors: what its body carries, headers aside."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def encode_tensor(

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from protocol.messages import Hop, RingChunk
-from protocol.quant import decode_tensor, encode_tensor
+from protocol.quant import decode_tensor, encode_tensor, tensor_bytes
 from swarm.seams import Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class RingAllReduce:
         fut = rnd.inbox.setdefault(key, _future())
         if fut.done():
             raise Refused("ring_duplicate", f"chunk {chunk.phase}/{chunk.step} already received")
-        nbytes = sum(t.numel() * t.element_size() for t in chunk.tensors.values())
+        nbytes = tensor_bytes(chunk.tensors)
         if self.held_bytes + nbytes > self.max_held_bytes:
             raise Refused(
                 "ring_overload",
@@ -179,7 +179,7 @@ class RingAllReduce:
 
     def _step_s(self, tensors: Mapping[str, torch.Tensor]) -> float:
         """Time allowed for one step that moves ``tensors`` (its neighbour's are as large)."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = tensor_bytes(tensors)
         rate = self.min_rate_bytes_s
         return self.step_timeout_s + (nbytes / rate if rate > 0 else 0.0)
 
@@ -206,7 +206,7 @@ class RingAllReduce:
             await self.transport.request(hop.address, msg, timeout_s, hop.peer_id)
         except TransportError as e:
             raise RingFailed(f"sending {msg.phase}/{msg.step} to {hop.peer_id[:8]}: {e}") from None
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        self.bytes_sent += tensor_bytes(msg.tensors)
 
     async def _receive(self, rnd: _Round, phase: str, step: int, timeout_s: float) -> torch.Tensor:
         fut = rnd.inbox.setdefault((phase, step), _future())

@@ -79,6 +79,7 @@ from typing import Any
 import torch
 
 from protocol.messages import GossipReply, GossipRequest, PeerRecord, expect
+from protocol.quant import tensor_bytes
 from swarm.seams import Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class Contribution:
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors: what the wire carries, give or take the headers."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return tensor_bytes(self.tensors)
 
 
 @dataclass(frozen=True)

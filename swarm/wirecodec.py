@@ -43,12 +43,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from protocol.quant import DEFAULT_BLOCK
+from protocol.quant import bytes_per_value
 
 CANDIDATES: tuple[str, ...] = ("bf16", "int8")
 """Codecs ``auto`` chooses from, most precise first."""
-BYTES_PER_VALUE = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / DEFAULT_BLOCK}
-"""Wire bytes per tensor value of each codec (int8: one fp32 scale per block)."""
 MIN_TIMED_BYTES = 64 * 1024
 """Bodies smaller than this arrive with their headers: their time says nothing of the link."""
 UP_MARGIN = 0.5
@@ -58,7 +56,7 @@ job's compute time or less."""
 
 def payload_bytes(codec: str, numel: int) -> float:
     """Bytes a tensor of ``numel`` values takes on the wire in ``codec`` (headers aside)."""
-    return BYTES_PER_VALUE[codec] * numel
+    return bytes_per_value(codec) * numel
 
 
 def arrival_rate(nbytes: int, seconds: float) -> float:

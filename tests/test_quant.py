@@ -15,6 +15,7 @@ from protocol.quant import (
     DEFAULT_BLOCK,
     Quantized,
     all_finite,
+    bytes_per_value,
     decode_tensor,
     dequantize_blockwise,
     encode_tensor,
@@ -22,6 +23,7 @@ from protocol.quant import (
     from_tensors,
     open_tensor,
     quantize_blockwise,
+    tensor_bytes,
     to_tensors,
 )
 
@@ -310,3 +312,15 @@ def test_a_tensor_opened_from_a_frame_is_checked_on_its_bytes(codec: str) -> Non
         open_tensor(wrong, meta)
     with pytest.raises(MalformedMessage):
         open_tensor(decode_frame(join_frame(encode_frame("t", {}, {})))[2], meta)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("block", [256, 2048])
+def test_bytes_per_value_is_what_encode_tensor_makes(codec: str, block: int) -> None:
+    """The sizes the wire codec chooses by are the encoder's own (a whole number of blocks,
+    so the int8 padding does not enter)."""
+    numel = 8 * block
+    tensors, _ = encode_tensor(torch.randn(numel), codec, block=block)
+    assert tensor_bytes(tensors) == bytes_per_value(codec, block) * numel
+    with pytest.raises(ValueError):
+        bytes_per_value("fp8")

@@ -27,7 +27,6 @@ import math
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from node.services.guard import RequestGuard
 from node.stage.outer import Offer
 from node.stage.runner import StageRunner
 from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
+from protocol.quant import tensor_bytes
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
 from swarm.schedule import round_period
@@ -56,10 +56,6 @@ def weight_screen(config: SyncConfig) -> WeightScreen:
             warmup=config.screen_warmup,
         )
     )
-
-
-def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class StageSync:
@@ -236,10 +232,10 @@ class StageSync:
             self.runner.outer_contribution, self.config.codec, ref_steps
         )
         outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
-        self.bytes_sent += _nbytes(tensors) * outcome.num_sent
+        self.bytes_sent += tensor_bytes(tensors) * outcome.num_sent
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
-            self.bytes_received += _nbytes(outcome.contribution.tensors)
+            self.bytes_received += tensor_bytes(outcome.contribution.tensors)
             offer = await self._screened(outcome.partner_id, outcome.contribution)
             if offer is None:
                 self.rounds["rejected"] += 1
