@@ -407,10 +407,11 @@ class Node:
             )
         state.stage, state.stage_since = stage, time.monotonic()
         runner = StageRunner(self.config, stage)
+        if stage > 0:  # a rate from the first heartbeat, sent while the module builds:
+            runner.seed_rate(known_rate or self.balancer.estimate(stage))  # served, else bench
         state.runner = runner
         await runner.start()
-        if stage > 0:  # publish a rate at once: what we served before, else the benchmark
-            runner.seed_rate(known_rate or self.balancer.estimate(stage))
+        if stage > 0:
             self.role = BlockRole(self.ctx, runner, self.hops)
         else:
             head = HeadRole(self.ctx, runner, self.hops)
