@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -33,11 +34,34 @@ DEMO_SETTINGS = {
 }
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (32768 if unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port of 127.0.0.1 that nothing holds now, for a node to listen on in a moment.
+
+    Drawn below the kernel's ephemeral range: a port from ``bind(0)`` is an ephemeral one,
+    and in the moment before the node binds it another process's outgoing connection can be
+    given the same port (a busy swarm on loopback opens many), so the node would exit with
+    "address in use". Falls back to ``bind(0)`` where that range starts too low."""
+    low = _ephemeral_low()
+    for _ in range(64) if low > 12000 else ():
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        got: int = s.getsockname()[1]
+        return got
 
 
 class LocalSwarm:
@@ -88,6 +112,12 @@ class LocalSwarm:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
+    def dead_report(self, what: str) -> str:
+        """``what`` with the names of the exited nodes and the end of each one's log."""
+        dead = self.dead()
+        tails = "".join(f"\n--- {name} log ---\n{self.log_tail(name)}" for name in dead)
+        return f"{what}: {dead}{tails}"
+
     def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM everyone, wait, SIGKILL stragglers; returns each exit code."""
         for _, proc, _ in self.procs:
@@ -111,7 +141,7 @@ def wait_ready(address: str, timeout_s: float, swarm: LocalSwarm) -> dict[str, A
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if swarm.dead():
-            raise RuntimeError(f"node(s) exited during start-up: {swarm.dead()}")
+            raise RuntimeError(swarm.dead_report("node(s) exited during start-up"))
         try:
             st = fetch_status(address, timeout_s=2.0)
             if st["ready"]:
@@ -152,8 +182,6 @@ def run_demo(args: argparse.Namespace) -> int:
         summary = _train(head, swarm, args.budget_s, say, auth)
     except (RuntimeError, TimeoutError) as e:
         say(f"demo failed: {e}")
-        for name in swarm.dead():
-            say(f"--- {name} log ---\n{swarm.log_tail(name)}")
         swarm.stop()
         return 1
     except KeyboardInterrupt:
@@ -185,7 +213,7 @@ def _train(
     st = fetch_status(head)
     while st.get("train_s", 0.0) < budget_s:
         if swarm.dead():
-            raise RuntimeError(f"node(s) died: {swarm.dead()}")
+            raise RuntimeError(swarm.dead_report("node(s) died"))
         time.sleep(1.0)
         st = fetch_status(head)
         if time.monotonic() - last_print >= 5.0:
