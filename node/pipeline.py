@@ -206,7 +206,8 @@ class HopSender:
             reply = await ctx.transport.request(
                 address, msg, ctx.config.train.hop_timeout_s, peer_id
             )
-            self.wire.observe(expect(reply, Ack).rate)
+            ack = expect(reply, Ack)
+            self.wire.observe(ack.rate)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"
             if code == "duplicate_microbatch":  # it reached that peer by another route already
@@ -218,5 +219,6 @@ class HopSender:
                 f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e
             )
             return code
-        ctx.router.finished(peer_id, True, ctx.clock.now(), time.monotonic() - t0)
+        trip_s = time.monotonic() - t0
+        ctx.router.finished(peer_id, True, ctx.clock.now(), trip_s, ack.queue, ack.service_rate)
         return None

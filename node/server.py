@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +193,7 @@ class NodeServer:
                 incoming.check_sender(msg)
             reply = await self._dispatch(msg, peer_host, relayed)
             if rate and isinstance(msg, Forward | Backward) and isinstance(reply, Ack):
-                reply = Ack(rate=rate)  # the sender chooses its wire codec by it
+                reply = replace(reply, rate=rate)  # the sender chooses its wire codec by it
         except ProtocolError as e:
             return self._refuse(e.code, str(e), e.http_status, peer_host)
         except Refused as e:
@@ -277,7 +278,7 @@ class NodeServer:
         role = self._current_role()
         self.work.put(role.forward_kind, role.forward_job(msg, x), 4 * math.prod(x.shape))
         self.guard.accepted(msg)
-        return Ack()
+        return self._work_ack()
 
     def _check_route(self, msg: Forward) -> None:
         """A forward's path starts at its head, and its route brings this hop to us."""
@@ -307,7 +308,14 @@ class NodeServer:
         job = self._current_role().backward_job(msg, g)
         self.work.put("backward", job, 4 * math.prod(g.shape))
         self.guard.accepted(msg)
-        return Ack()
+        return self._work_ack()
+
+    def _work_ack(self) -> Ack:
+        """A microbatch's ack: our queue (it included) and compute rate of the moment, by
+        which its sender's router weighs us (``swarm.routing``)."""
+        runner = self.ctx.state.runner
+        rate = runner.service_rate if runner is not None else 0.0
+        return Ack(queue=self.work.qsize(), service_rate=rate)
 
     def _activation(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> WireTensor:
         """Check an incoming activation or gradient, [B, T, d_model] and finite, as it came:

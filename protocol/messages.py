@@ -10,6 +10,7 @@ version). Does not own framing (``protocol.frames``), sockets, or what a node do
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -81,6 +82,20 @@ class PeerRecord:
     the first few (``node.net.relay.MAX_RELAYS``)."""
     relay_slots: int = 0
     """Nodes this peer could still relay for (0: it does not relay)."""
+
+    def problem(self) -> str | None:
+        """What no honest peer publishes (a negative or non-finite figure: routing divides
+        by them, CheckFree weighs by them), or None; decoding refuses a record that has one."""
+        for name in ("throughput", "grad_norm", "step_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                return f"{name} {value} is not a finite number >= 0"
+        for name in ("step", "queue", "incarnation", "version", "head_backup_step", "relay_slots"):
+            if getattr(self, name) < 0:
+                return f"{name} {getattr(self, name)} is negative"
+        if self.loss is not None and not math.isfinite(self.loss):
+            return f"loss {self.loss} is not finite"
+        return None
 
 
 @dataclass(frozen=True)
@@ -227,6 +242,20 @@ class Ack(Message):
     """Bytes per second at which the request's body arrived, as the receiver timed it (from
     its headers to its last byte): set on a microbatch's ack, 0 when not timed (a small or
     relayed body). Its sender picks its wire codec by it (``swarm.wirecodec``)."""
+    queue: int = -1
+    """On a microbatch's ack: jobs in the receiver's compute queue, this one included (-1:
+    not said). With ``service_rate``, its sender's router weighs the receiver by figures of
+    the moment, not by its published record, which a large swarm refreshes rarely."""
+    service_rate: float = 0.0
+    """On a microbatch's ack: the receiver's samples per second of compute (0: not said)."""
+
+    def problem(self) -> str | None:
+        """A figure no honest receiver sends, or None (decoding refuses it)."""
+        if not all(math.isfinite(v) and v >= 0 for v in (self.rate, self.service_rate)):
+            return f"rate {self.rate} or service_rate {self.service_rate} is not finite >= 0"
+        if self.queue < -1:
+            return f"queue {self.queue} is below -1"
+        return None
 
 
 @dataclass(frozen=True)
@@ -372,6 +401,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
 }
 
 M = TypeVar("M", bound=Message)
+R = TypeVar("R")
 
 
 _FRAME = "_frame"
@@ -461,10 +491,12 @@ class _Bad(Exception):
     containers it passes through add on its way up: a path is formatted only for a refused
     message, not for every field of every accepted one (``bench/perf.py``, hop latency)."""
 
-    def __init__(self, problem: str, sep: str = ": ") -> None:
+    def __init__(self, problem: str, sep: str = ": ", of_value: bool = False) -> None:
         super().__init__(problem)
         self.problem = problem
         self.sep = sep
+        self.of_value = of_value
+        """A record of the right shape whose ``problem()`` refused a value in it."""
         self.where: list[str] = []
         """Location steps, innermost first (".name", "[3]")."""
 
@@ -514,10 +546,18 @@ def _kwargs(cls: type, value: Mapping[str, Any]) -> dict[str, Any]:
 
 def _from_fields(cls: type[M], fields: Mapping[str, Any], tensors: _Tensors) -> M:
     try:
-        kwargs = _kwargs(cls, fields)
+        return _checked(cls(**_kwargs(cls, fields), tensors=tensors))
     except _Bad as e:
         raise e.located(cls.TYPE) from None
-    return cls(**kwargs, tensors=tensors)
+
+
+def _checked(value: R) -> R:
+    """``value``, unless its ``problem()`` (where its class has one) names something wrong."""
+    problem = getattr(value, "problem", None)
+    reason = problem() if problem is not None else None
+    if reason is not None:
+        raise _Bad(reason, of_value=True)
+    return value
 
 
 def _checker(hint: Any) -> Checker:
@@ -542,7 +582,9 @@ def _make_checker(hint: Any) -> Checker:
             for option in options:
                 try:
                     return option(value)
-                except _Bad:
+                except _Bad as e:
+                    if e.of_value:  # the right shape, a wrong value: say which
+                        raise
                     continue
             raise _Bad(f"{type(value).__name__} is not {hint}")
 
@@ -584,7 +626,7 @@ def _make_checker(hint: Any) -> Checker:
 
         def record(value: Any) -> Any:
             if isinstance(value, dict):
-                return record_cls(**_kwargs(record_cls, value))
+                return _checked(record_cls(**_kwargs(record_cls, value)))
             raise _wrong(value, hint)
 
         return record

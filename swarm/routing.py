@@ -3,14 +3,19 @@
 SWARM Parallelism (Ryabinin et al., ICML 2023, arXiv 2301.11913), section 3.2 and
 ``docs/algorithms.md`` section 2. Each hop is drawn at random with probability proportional to the
 replica's estimated rate of finishing our work: one over the time it should take, the work
-ahead of ours (its queue plus what we already have in flight with it) at its published
-service rate (samples/s, an EMA it measures itself) plus how much longer a hop to it takes
+ahead of ours (its queue plus what we already have in flight with it) at its service rate
+(samples/s, an EMA it measures itself) plus how much longer a hop to it takes
 than a hop to the nearest candidate, as this node measured them (round trip and transfer: a
 replica 150 ms further away is not as good as one next door, as SWARM's wiring weighs it).
 Only the difference counts: the hop time every choice pays alike would flatten the weights
 of a fast and a slow replica at the same distance towards a uniform draw (on a WAN the slow
 one got a fifth more than its share of the stage's capacity, ``bench/wan.py``); without it,
-equidistant replicas are drawn in proportion to rate over work ahead, SWARM's rule. A
+equidistant replicas are drawn in proportion to rate over work ahead, SWARM's rule. The
+queue and rate are the figures of the replica's last ack to us (every microbatch's ack
+carries them), its queue drained since at its rate; before any ack, its published record's.
+A record is republished rarely in a large swarm (membership spreads figures within a byte
+budget: every few minutes at 100 nodes, hours at 1000), so the replicas this node sends to
+are weighed by what they said a moment ago, whatever the swarm's size. A
 replica we know nothing about yet gets the best rate and the shortest hop seen, so new
 peers are probed early (SWARM's reference probes new peers first), and the draw keeps
 probing every replica with a nonzero chance. A peer that failed is
@@ -50,6 +55,12 @@ class PeerStats:
     quarantined_until: float = float("-inf")
     """Until then the peer is banned for misbehaviour, not merely backed off after a failure."""
     latency_ema_s: float | None = None
+    queue: int = 0
+    """Jobs in the peer's queue, ours included, as its last ack to us said (``queue_s``)."""
+    queue_s: float | None = None
+    """When that ack came (None: no ack has said; the record's queue stands)."""
+    rate: float = 0.0
+    """The peer's compute rate as its last ack said, samples/s (0: the record's stands)."""
 
 
 def route_weights(
@@ -61,7 +72,7 @@ def route_weights(
 ) -> list[float]:
     """Relative chance of each candidate: one over the time it should take to finish our
     microbatch of ``samples``, its work ahead of ours (``1 + queue + our in-flight``) at its
-    service rate plus how much longer its hop takes than the shortest measured among the
+    service rate (its last ack's figures, the queue drained since, else its record's) plus how much longer its hop takes than the shortest measured among the
     candidates; 0 if banned.
 
     A peer whose hop time is not measured yet gets the smallest measured one (optimism, so
@@ -69,7 +80,7 @@ def route_weights(
     node's address) has its weight divided by ``RELAY_PENALTY`` until then. With no hop
     times measured, or all equal, the weight is ``rate / (1 + queue + in-flight)`` (over
     ``samples``)."""
-    known = [c.throughput for c in candidates if c.throughput > 0]
+    known = [r for c in candidates if (r := _rate(c, stats.get(c.peer_id))) > 0]
     probe_rate = max(known) if known else 1.0
     trips = [
         s.latency_ema_s
@@ -83,14 +94,28 @@ def route_weights(
         if s.banned_until > now:
             weights.append(0.0)
             continue
-        rate = c.throughput if c.throughput > 0 else probe_rate
-        compute_s = (1.0 + c.queue + s.num_in_flight) * samples / rate
+        rate = _rate(c, s) or probe_rate
+        compute_s = (1.0 + _queue(c, s, now, rate, samples) + s.num_in_flight) * samples / rate
         extra_trip_s = 0.0 if s.latency_ema_s is None else s.latency_ema_s - probe_trip
         weight = 1.0 / (compute_s + extra_trip_s)
         if c.relays and here not in c.relays and s.latency_ema_s is None:
             weight /= RELAY_PENALTY
         weights.append(weight)
     return weights
+
+
+def _rate(c: PeerRecord, s: PeerStats | None) -> float:
+    """The candidate's compute rate: as its last ack said, else as its record says."""
+    return s.rate if s is not None and s.rate > 0 else c.throughput
+
+
+def _queue(c: PeerRecord, s: PeerStats, now: float, rate: float, samples: float) -> float:
+    """The candidate's queue now: as its last ack said, less what it has computed since at
+    ``rate`` (each job ``samples / rate`` seconds, as ``route_weights`` counts them); else
+    as its record says."""
+    if s.queue_s is None:
+        return float(c.queue)
+    return max(0.0, s.queue - (now - s.queue_s) * rate / samples)
 
 
 class Router:
@@ -125,12 +150,25 @@ class Router:
     def started(self, peer_id: str) -> None:
         self._stats(peer_id).num_in_flight += 1
 
-    def finished(self, peer_id: str, ok: bool, now: float, latency_s: float | None = None) -> None:
-        """Record the outcome of one request to ``peer_id``; a failure bans it for a while."""
+    def finished(
+        self,
+        peer_id: str,
+        ok: bool,
+        now: float,
+        latency_s: float | None = None,
+        queue: int = -1,
+        rate: float = 0.0,
+    ) -> None:
+        """Record the outcome of one request to ``peer_id``; a failure bans it for a while.
+        ``queue`` and ``rate``: the figures its ack gave (-1 and 0: none)."""
         s = self._stats(peer_id)
         s.num_in_flight = max(0, s.num_in_flight - 1)
         if ok:
             s.num_failures = 0
+            if queue >= 0:
+                s.queue, s.queue_s = queue, now
+            if rate > 0:
+                s.rate = rate
             if latency_s is not None:
                 prev = s.latency_ema_s
                 s.latency_ema_s = (

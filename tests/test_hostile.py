@@ -34,6 +34,7 @@ from protocol.messages import (
     Hop,
     Message,
     PeerRecord,
+    Ping,
     RingChunk,
     Rollback,
     decode_message,
@@ -201,7 +202,7 @@ async def test_activation_faults_are_refused(make_node: Any) -> None:
 async def test_duplicate_and_stale_microbatches(make_node: Any) -> None:
     node = await make_node()
     status, reply = await post(node, forward(mb_id="00000000.7.1"))
-    assert (status, reply) == (200, Ack())
+    assert (status, reply) == (200, Ack(queue=1))  # our queue, this job included
     await refused(node, forward(mb_id="00000000.7.1"), "duplicate_microbatch", 409)
     assert node.work.qsize() == 1  # the copy was not queued
     path = [
@@ -212,6 +213,38 @@ async def test_duplicate_and_stale_microbatches(make_node: Any) -> None:
     tensors, meta = encode_tensor(torch.zeros(2, 8, 128), "fp32", name="g")
     back = Backward(mb_id="00000000.9.1", index=1, path=path, meta=meta, tensors=tensors)
     await refused(node, back, "unknown_microbatch", 410)  # stale: never saved, or expired
+
+
+async def test_a_microbatchs_ack_says_the_queue_and_rate_of_the_moment(make_node: Any) -> None:
+    # the sender's router weighs this replica by them (swarm.routing), not by a record that
+    # a large swarm republishes every few minutes or hours
+    node = await make_node()
+    assert (await post(node, forward(mb_id="00000000.1.1")))[1] == Ack(queue=1)
+    node.runner.seed_rate(12.5)
+    assert (await post(node, forward(mb_id="00000000.2.1")))[1] == Ack(queue=2, service_rate=12.5)
+
+
+async def test_records_with_impossible_figures_are_refused(make_node: Any) -> None:
+    # routing divides by a record's queue and rate, CheckFree weighs by its gradient norm: a
+    # negative or non-finite figure (a ZeroDivisionError in every sender's router before
+    # this check) is refused where it is decoded, and nothing else of the message is taken
+    node = await make_node()
+    fine = PeerRecord(peer_id=STRANGER, address="127.0.0.1:9", stage=1)
+    for bad in ({"queue": -1}, {"throughput": float("inf")}, {"grad_norm": float("nan")}):
+        ping = Ping(HEAD, [fine, PeerRecord(peer_id=OTHER, address="x:1", stage=1, **bad)], [])
+        reply = await refused(node, ping, "malformed_message", 400)
+        assert "ping.news[1]" in reply.message
+        hello = Hello(
+            swarm=node.config.swarm.name,
+            fingerprint=node.fingerprint,
+            sender=PeerRecord(peer_id=STRANGER, address="127.0.0.1:9", stage=0, **bad),
+            peers=[],
+        )
+        await refused(node, hello, "malformed_message", 400)
+    assert STRANGER not in node.table and node.table.get(OTHER) == PeerRecord(
+        peer_id=OTHER, address="127.0.0.1:9", stage=1, ready=True
+    )
+    assert (await post(node, forward()))[0] == 200  # and it serves on
 
 
 async def test_head_refuses_stale_and_foreign_microbatches(make_node: Any) -> None:

@@ -205,6 +205,42 @@ def test_a_refusal_says_where_the_bad_field_is(
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize(
+    ("msg", "message"),
+    [
+        (
+            Ping("a", [PeerRecord("p", "a:1", 1), PeerRecord("q", "a:1", 1, queue=-2)], []),
+            "ping.news[1]: queue -2 is negative",
+        ),
+        (
+            Pong(sender=PeerRecord("p", "a:1", 1, throughput=float("inf"))),
+            "pong.sender: throughput inf is not a finite number >= 0",
+        ),
+        (
+            Welcome("s", "f", PeerRecord("p", "a:1", 0, loss=float("nan")), [], "h"),
+            "welcome.sender: loss nan is not finite",
+        ),
+        (
+            Hello("s", "f", PeerRecord("p", "a:1", 2, step_s=-1.0), []),
+            "hello.sender: step_s -1.0 is not a finite number >= 0",
+        ),
+        (Ack(queue=-5), "ack: queue -5 is below -1"),
+        (Ack(service_rate=float("inf")), "ack: rate 0.0 or service_rate inf is not finite >= 0"),
+    ],
+)
+def test_figures_no_honest_peer_sends_are_malformed(msg: object, message: str) -> None:
+    # routing divides by a record's rate and queue, recovery weighs by its gradient norm
+    with pytest.raises(MalformedMessage) as info:
+        roundtrip(msg)
+    assert str(info.value) == message
+
+
+def test_figures_at_their_bounds_are_fine() -> None:
+    record = PeerRecord("p", "a:1", 0, loss=None, data_shard=-1, grad_norm=0.0)
+    assert roundtrip(Pong(sender=record)).sender == record
+    assert roundtrip(Ack(queue=-1)) == Ack()
+
+
 def _forward(numel: int) -> Forward:
     tensors = {"h": torch.arange(numel, dtype=torch.float32)}
     meta = {"codec": "fp32", "name": "h", "shape": [numel], "dtype": "float32"}

@@ -108,3 +108,32 @@ def test_success_clears_failures_and_tracks_latency() -> None:
     s = r.stats["a"]
     assert s.num_failures == 0 and s.num_in_flight == 0
     assert s.latency_ema_s == pytest.approx(0.3)
+
+
+def test_a_replicas_ack_outranks_its_record() -> None:
+    """Both records say 10 samples/s and an empty queue (a large swarm republishes them every
+    few minutes or hours). a's last ack said 9 jobs queued (ours included), b's that it
+    computes 40 samples/s: a weighs 10 / (1 + 9) = 1, b 40 / 1 = 40, c (no ack) 10."""
+    peers = [rec("a", 10.0), rec("b", 10.0), rec("c", 10.0)]
+    r = Router(random.Random(0))
+    for pid, queue, rate in (("a", 9, 10.0), ("b", 0, 40.0)):
+        r.started(pid)
+        r.finished(pid, True, 0.0, 0.01, queue=queue, rate=rate)
+    assert route_weights(peers, r.stats, now=0.0) == pytest.approx([1.0, 40.0, 10.0])
+    # a failed request says nothing of the peer's figures
+    r.started("c")
+    r.finished("c", False, 0.0, queue=50, rate=1.0)
+    assert (r.stats["c"].queue_s, r.stats["c"].rate) == (None, 0.0)
+
+
+def test_an_acked_queue_drains_at_the_replicas_rate() -> None:
+    """9 jobs at 10 samples/s, 2 samples a job: 5 jobs drain per second. At 0.5 s, 6.5
+    left: 10 / (2 x 7.5) = 0.667; from 1.8 s on, none: 10 / 2 = 5."""
+    stats = {"a": PeerStats(queue=9, queue_s=0.0, rate=10.0)}
+    w = [route_weights([rec("a", 10.0)], stats, now=t, samples=2.0)[0] for t in (0.5, 1.8, 60)]
+    assert w == pytest.approx([10 / 15, 5.0, 5.0])
+
+
+def test_a_queue_from_an_ack_stands_in_for_the_record_only_once_said() -> None:
+    stats = {"a": PeerStats(rate=20.0)}  # a rate said, no queue: the record's queue stands
+    assert route_weights([rec("a", 10.0, queue=3)], stats, now=0.0) == pytest.approx([5.0])
