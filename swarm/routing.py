@@ -72,8 +72,9 @@ def route_weights(
 ) -> list[float]:
     """Relative chance of each candidate: one over the time it should take to finish our
     microbatch of ``samples``, its work ahead of ours (``1 + queue + our in-flight``) at its
-    service rate (its last ack's figures, the queue drained since, else its record's) plus how much longer its hop takes than the shortest measured among the
-    candidates; 0 if banned.
+    service rate (its last ack's figures, the queue drained since, else its record's) plus
+    how much longer its hop takes than the shortest measured among the candidates; 0 if
+    banned.
 
     A peer whose hop time is not measured yet gets the smallest measured one (optimism, so
     it is tried); one also reached through a relay other than this node (``here``: this
