@@ -311,11 +311,12 @@ class NodeServer:
         return self._work_ack()
 
     def _work_ack(self) -> Ack:
-        """A microbatch's ack: our queue (it included) and compute rate of the moment, by
-        which its sender's router weighs us (``swarm.routing``)."""
+        """A microbatch's ack: our jobs queued or running (it included) and compute rate of
+        the moment, by which its sender's router weighs us (``swarm.routing``). The job
+        running counts: on a slow replica it is most of the wait."""
         runner = self.ctx.state.runner
         rate = runner.service_rate if runner is not None else 0.0
-        return Ack(queue=self.work.qsize(), service_rate=rate)
+        return Ack(queue=self.work.unfinished(), service_rate=rate)
 
     def _activation(self, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> WireTensor:
         """Check an incoming activation or gradient, [B, T, d_model] and finite, as it came:

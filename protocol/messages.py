@@ -243,7 +243,7 @@ class Ack(Message):
     its headers to its last byte): set on a microbatch's ack, 0 when not timed (a small or
     relayed body). Its sender picks its wire codec by it (``swarm.wirecodec``)."""
     queue: int = -1
-    """On a microbatch's ack: jobs in the receiver's compute queue, this one included (-1:
+    """On a microbatch's ack: the receiver's jobs queued or running, this one included (-1:
     not said). With ``service_rate``, its sender's router weighs the receiver by figures of
     the moment, not by its published record, which a large swarm refreshes rarely."""
     service_rate: float = 0.0

@@ -56,7 +56,7 @@ class PeerStats:
     """Until then the peer is banned for misbehaviour, not merely backed off after a failure."""
     latency_ema_s: float | None = None
     queue: int = 0
-    """Jobs in the peer's queue, ours included, as its last ack to us said (``queue_s``)."""
+    """The peer's jobs queued or running, ours included, as its last ack said (``queue_s``)."""
     queue_s: float | None = None
     """When that ack came (None: no ack has said; the record's queue stands)."""
     rate: float = 0.0
