@@ -65,9 +65,7 @@ class Replica:
     """Microbatches sent to it after the slowdown."""
 
 
-def simulate(
-    mode: str, period_s: float, seconds: float, load: float, seed: int
-) -> dict[str, Any]:
+def simulate(mode: str, period_s: float, seconds: float, load: float, seed: int) -> dict[str, Any]:
     """One run; the arrivals and publication phases depend on ``seed`` only, not on ``mode``."""
     arrivals = random.Random(seed)
     phases = random.Random(seed + 1)
