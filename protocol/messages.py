@@ -90,12 +90,23 @@ class PeerRecord:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 return f"{name} {value} is not a finite number >= 0"
-        for name in ("step", "queue", "incarnation", "version", "head_backup_step", "relay_slots"):
-            if getattr(self, name) < 0:
-                return f"{name} {getattr(self, name)} is negative"
+        negative = _negative(
+            self, "step", "queue", "incarnation", "version", "head_backup_step", "relay_slots"
+        )
+        if negative is not None:
+            return negative
         if self.loss is not None and not math.isfinite(self.loss):
             return f"loss {self.loss} is not finite"
         return None
+
+
+def _negative(record: Any, *names: str) -> str | None:
+    """Which of ``record``'s counters ``names`` is negative, said, or None."""
+    for name in names:
+        value = getattr(record, name)
+        if value < 0:
+            return f"{name} {value} is negative"
+    return None
 
 
 @dataclass(frozen=True)
@@ -284,6 +295,11 @@ class StageState(Message):
     step: int
     samples: int
 
+    def problem(self) -> str | None:
+        """Negative counters (the copier would publish them as its own step, and every peer
+        would refuse its records), or None."""
+        return _negative(self, "step", "samples")
+
 
 @dataclass(frozen=True)
 class GossipRequest(Message):
@@ -330,6 +346,9 @@ class HeadBackup(Message):
     sender: str
     """The head node whose weights these are (only head-stage peers we know may send them)."""
 
+    def problem(self) -> str | None:
+        return _negative(self, "step")
+
 
 @dataclass(frozen=True)
 class Rollback(Message):
@@ -340,6 +359,9 @@ class Rollback(Message):
     step: int
     sender: str
     """The restarted node asking for the rollback (only peers we know may ask)."""
+
+    def problem(self) -> str | None:
+        return _negative(self, "step")
 
 
 @dataclass(frozen=True)

@@ -225,11 +225,16 @@ def test_a_refusal_says_where_the_bad_field_is(
             "hello.sender: step_s -1.0 is not a finite number >= 0",
         ),
         (Ack(queue=-5), "ack: queue -5 is below -1"),
+        (StageState(stage=1, step=-1, samples=0), "stage_state: step -1 is negative"),
+        (HeadBackup(step=-3, sender="p"), "head_backup: step -3 is negative"),
+        (Rollback(stage=2, step=-1, sender="p"), "rollback: step -1 is negative"),
         (Ack(service_rate=float("inf")), "ack: rate 0.0 or service_rate inf is not finite >= 0"),
     ],
 )
 def test_figures_no_honest_peer_sends_are_malformed(msg: object, message: str) -> None:
-    # routing divides by a record's rate and queue, recovery weighs by its gradient norm
+    # routing divides by a record's rate and queue, recovery weighs by its gradient norm; a
+    # state copied with a negative step would become the copier's own step, which every
+    # peer would then refuse in its records
     with pytest.raises(MalformedMessage) as info:
         roundtrip(msg)
     assert str(info.value) == message
