@@ -100,12 +100,22 @@ class PeerRecord:
         return None
 
 
+MAX_COUNTER = 2**53 - 1
+"""The largest step, count, incarnation or version taken from a peer: far above any honest
+one (an incarnation is a time in milliseconds, about 2**41), exact in a float and in the
+page's JavaScript, and with room to count on without leaving msgpack's 64 bits (a peer that
+pushed a node's incarnation past them would have made its every message unencodable)."""
+
+
 def _negative(record: Any, *names: str) -> str | None:
-    """Which of ``record``'s counters ``names`` is negative, said, or None."""
+    """Which of ``record``'s counters ``names`` is negative or above ``MAX_COUNTER``,
+    said, or None."""
     for name in names:
         value = getattr(record, name)
         if value < 0:
             return f"{name} {value} is negative"
+        if value > MAX_COUNTER:
+            return f"{name} {value} is above 2**53 - 1"
     return None
 
 
@@ -125,6 +135,13 @@ class Obituary:
     peer_id: str
     incarnation: int
     left: bool = False
+
+    def problem(self) -> str | None:
+        """An incarnation out of range, or one that leaves its subject no higher one to
+        answer with (``MAX_COUNTER``), or None."""
+        if self.incarnation >= MAX_COUNTER:
+            return f"incarnation {self.incarnation} leaves its subject no higher one"
+        return _negative(self, "incarnation")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from protocol.messages import (
     Hello,
     Hop,
     Message,
+    Obituary,
     PeerRecord,
     Ping,
     RingChunk,
@@ -245,6 +246,22 @@ async def test_records_with_impossible_figures_are_refused(make_node: Any) -> No
         peer_id=OTHER, address="127.0.0.1:9", stage=1, ready=True
     )
     assert (await post(node, forward()))[0] == 200  # and it serves on
+
+
+async def test_an_obituary_that_would_leave_no_higher_incarnation_is_refused(
+    make_node: Any,
+) -> None:
+    # a node answers a report of its death with a higher incarnation: one at 2**64 - 1 made
+    # it answer with 2**64, which msgpack cannot encode, and every message it sent failed
+    node = await make_node()
+    before = node.membership.own().incarnation
+    for incarnation in (2**64 - 1, 2**53 - 1):
+        ping = Ping(HEAD, [], [Obituary(node.peer_id, incarnation)])
+        await refused(node, ping, "malformed_message", 400)
+    assert node.membership.own().incarnation == before
+    ping = Ping(HEAD, [], [Obituary(node.peer_id, before)])  # a false alarm: answered
+    assert (await post(node, ping))[0] == 200
+    assert node.membership.own().incarnation == before + 1
 
 
 async def test_head_refuses_stale_and_foreign_microbatches(make_node: Any) -> None:

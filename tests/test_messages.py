@@ -228,6 +228,14 @@ def test_a_refusal_says_where_the_bad_field_is(
         (StageState(stage=1, step=-1, samples=0), "stage_state: step -1 is negative"),
         (HeadBackup(step=-3, sender="p"), "head_backup: step -3 is negative"),
         (Rollback(stage=2, step=-1, sender="p"), "rollback: step -1 is negative"),
+        (
+            Ping("a", [], [Obituary("p", 2**64 - 1)]),
+            "ping.deaths[0]: incarnation 18446744073709551615 leaves its subject no higher one",
+        ),
+        (
+            Pong(sender=PeerRecord("p", "a:1", 1, version=2**53)),
+            "pong.sender: version 9007199254740992 is above 2**53 - 1",
+        ),
         (Ack(service_rate=float("inf")), "ack: rate 0.0 or service_rate inf is not finite >= 0"),
     ],
 )
