@@ -90,11 +90,11 @@ class PeerRecord:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 return f"{name} {value} is not a finite number >= 0"
-        negative = _negative(
+        counter = _counter_problem(
             self, "step", "queue", "incarnation", "version", "head_backup_step", "relay_slots"
         )
-        if negative is not None:
-            return negative
+        if counter is not None:
+            return counter
         if self.loss is not None and not math.isfinite(self.loss):
             return f"loss {self.loss} is not finite"
         return None
@@ -107,7 +107,7 @@ page's JavaScript, and with room to count on without leaving msgpack's 64 bits (
 pushed a node's incarnation past them would have made its every message unencodable)."""
 
 
-def _negative(record: Any, *names: str) -> str | None:
+def _counter_problem(record: Any, *names: str) -> str | None:
     """Which of ``record``'s counters ``names`` is negative or above ``MAX_COUNTER``,
     said, or None."""
     for name in names:
@@ -141,7 +141,7 @@ class Obituary:
         answer with (``MAX_COUNTER``), or None."""
         if self.incarnation >= MAX_COUNTER:
             return f"incarnation {self.incarnation} leaves its subject no higher one"
-        return _negative(self, "incarnation")
+        return _counter_problem(self, "incarnation")
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ class StageState(Message):
     def problem(self) -> str | None:
         """Negative counters (the copier would publish them as its own step, and every peer
         would refuse its records), or None."""
-        return _negative(self, "step", "samples")
+        return _counter_problem(self, "step", "samples")
 
 
 @dataclass(frozen=True)
@@ -364,7 +364,7 @@ class HeadBackup(Message):
     """The head node whose weights these are (only head-stage peers we know may send them)."""
 
     def problem(self) -> str | None:
-        return _negative(self, "step")
+        return _counter_problem(self, "step")
 
 
 @dataclass(frozen=True)
@@ -378,7 +378,7 @@ class Rollback(Message):
     """The restarted node asking for the rollback (only peers we know may ask)."""
 
     def problem(self) -> str | None:
-        return _negative(self, "step")
+        return _counter_problem(self, "step")
 
 
 @dataclass(frozen=True)
