@@ -145,6 +145,41 @@ class Obituary:
 
 
 @dataclass(frozen=True)
+class StageSummary:
+    """What a node that holds a stage's records says of that stage, for the nodes that do not
+    hold them (``swarm.membership``: a table holds only the stages next to its own)."""
+
+    stage: int
+    replicas: int
+    """Live replicas (ready or joining, not leaving), the summariser itself included."""
+    ready: int
+    """Of them, those ready for work."""
+    throughput: float
+    """Their summed throughput, samples per second."""
+    step: int
+    """The highest step among them."""
+    age_s: float
+    """Seconds since a holder of the stage computed it (grows as it is relayed)."""
+    contact: str = ""
+    """The address of one replica of the stage that can be dialled directly, to greet
+    when joining or moving to it ("": none known)."""
+
+    def problem(self) -> str | None:
+        """A count or figure no honest node sends (negative, not finite, more ready than
+        live), or None."""
+        counter = _counter_problem(self, "stage", "replicas", "ready", "step")
+        if counter is not None:
+            return counter
+        if self.ready > self.replicas:
+            return f"ready {self.ready} is above replicas {self.replicas}"
+        for name in ("throughput", "age_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                return f"{name} {value} is not a finite number >= 0"
+        return None
+
+
+@dataclass(frozen=True)
 class Hello(Message):
     """Membership handshake (a first contact, a bootstrap, a partition healing, or an
     introduction to a member that has not heard of us yet): my record, the peers I know,
@@ -171,6 +206,9 @@ class Welcome(Message):
     deaths: list[Obituary] = field(default_factory=list)
     """The greeter's own obituary, if the receiver holds one: it answers with a higher
     version (``swarm.membership``)."""
+    stages: list[StageSummary] = field(default_factory=list)
+    """Summaries of the stages whose records ``peers`` leaves out (outside the greeter's
+    neighbourhood)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +234,8 @@ class Ping(Message):
     pull: bool = False
     """A ping back for the replier's record alone: the reply carries no news (news rides
     on a few messages per node, and these would spend them on a node that just spoke)."""
+    stages: list[StageSummary] = field(default_factory=list)
+    """Summaries of a few stages outside the receiver's neighbourhood, in turn."""
 
 
 @dataclass(frozen=True)

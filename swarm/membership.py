@@ -1,7 +1,8 @@
 """Membership: bootstrap, failure detection by probes, and news spread by gossip.
 
-Owns the protocol that keeps every node's ``PeerTable`` converging on the whole swarm, at a
-cost per node that does not grow with the swarm when it is quiet. After SWIM (Das, Gupta and
+Owns the protocol that keeps every node's ``PeerTable`` converging on the whole swarm (or on
+its neighbourhood of stages, with summaries of the rest), at a cost per node that does not
+grow with the swarm when it is quiet. After SWIM (Das, Gupta and
 Motivala 2002, "SWIM: Scalable Weakly-consistent Infection-style Process Group Membership
 Protocol"), ``docs/algorithms.md`` section 11:
 
@@ -38,6 +39,16 @@ Protocol"), ``docs/algorithms.md`` section 11:
   stranger is refused ``unknown_peer`` (it says hello first), a ``Probe`` may only name a
   member (a helper dials the address it holds, never one it is given).
 
+- **Neighbourhoods.** With a ``Neighbourhood`` scope on the table (``swarm.peers``), a node
+  holds only its own stage and the stages next to it, so what it holds and the news it
+  carries grow with a few stages, not the swarm. News goes only to members holding the
+  stage it is about; a probe carries ``SUMMARIES_PER_MESSAGE`` ``StageSummary`` s of stages
+  the receiver does not hold (a welcome all of them), and each node keeps the freshest of
+  each. A newcomer whose bootstrap holds another neighbourhood greets a member of its own
+  (a summary's contact, or a greeter its bootstrap kept in its lobby), who spreads the
+  join; a node that moves tells its old neighbourhood itself. ``docs/algorithms.md``
+  section 11.
+
 Departure from SWIM: there is no separate "suspect" state spread to others; the prober that
 misses a member keeps probing it, directly and through others, for ``ttl_s`` before it
 declares it gone, which buys the same protection against a slow node or a lossy path
@@ -70,6 +81,7 @@ from protocol.messages import (
     Ping,
     Pong,
     Probe,
+    StageSummary,
     Welcome,
     expect,
 )
@@ -91,6 +103,15 @@ PIGGYBACK_MULT = 4
 """Each piece of news rides on ``PIGGYBACK_MULT * ceil(log10(n + 1))`` messages per node (SWIM's
 lambda log n; hashicorp/memberlist uses a multiplier of 4 with 3 gossip targets; with 3 a
 death went unheard by one node of 60 in the benchmark's smoke run)."""
+LOBBY_PER_STAGE = 2
+"""Greeters a node keeps per stage outside its neighbourhood, to introduce to later greeters
+of that neighbourhood."""
+SUMMARY_BYTES = 90
+"""About what one stage summary costs on the wire."""
+SUMMARIES_PER_MESSAGE = 4
+"""Stage summaries one probe carries (in turn over the stages the receiver does not hold),
+when tables hold a neighbourhood: every node sends one probe a round and is probed about
+once, so it hears of every stage every ``stages / SUMMARIES_PER_MESSAGE`` rounds or so."""
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
 PUSH_DELAY_S = 0.1
@@ -169,6 +190,11 @@ class MembershipService:
         self._published_s = -math.inf
         self._pace = 1.0  # this interval's share of refresh_s, drawn in [0.5, 1.5)
         self._news: dict[str, _News] = {}  # peer id -> the latest news about it to pass on
+        self._far: dict[int, tuple[StageSummary, float]] = {}  # stage not held -> (summary, as of)
+        self._summary_turn = 0
+        self._greeted_contacts: dict[str, float] = {}  # contact address -> when greeted
+        self._answered_far: set[str] = set()  # addresses that welcomed us from outside our scope
+        self._lobby: dict[int, list[tuple[PeerRecord, float]]] = {}  # far greeters per stage
         self._push: asyncio.Task[None] | None = None
         self._order: list[str] = []  # this pass of the round-robin, next target last
         self._missing: dict[str, float] = {}  # member -> when a probe first missed it
@@ -212,18 +238,32 @@ class MembershipService:
     def refresh_s(self) -> float:
         """How often our changing figures are republished: everyone's figures, each pushed
         ``fanout`` times and piggybacked by every node that takes it, in and out, within
-        the budget."""
+        the budget (less what stage summaries take, with neighbourhood tables)."""
         n = len(self.table) + 1
         pushes = min(self.config.fanout, max(1, n - 1))
         per_node = pushes * (RECORD_BYTES + EXCHANGE_BYTES) + self._piggybacks(n) * RECORD_BYTES
-        return max(self.config.heartbeat_s, n * per_node * 2 / self.config.budget_bytes_per_s)
+        budget = self.config.budget_bytes_per_s
+        if self.table.scope is not None:  # each probe carries some, in and out
+            summaries = 2 * SUMMARIES_PER_MESSAGE * SUMMARY_BYTES / self.config.heartbeat_s
+            budget = max(budget / 2, budget - summaries)
+        return max(self.config.heartbeat_s, n * per_node * 2 / budget)
 
     def _publish(self, record: PeerRecord, now: float) -> None:
         self._version += 1
         self._published = replace(record, incarnation=self._incarnation, version=self._version)
         self._published_s = now
         self._pace = 0.5 + self.rng.random()  # so that nodes started together drift apart
+        left_behind: list[PeerRecord] = []
+        if record.stage != self.table.stage:
+            if self.table.scope is not None and self.table.stage >= 0:
+                left_behind = self.table.records()
+            self.table.set_stage(record.stage)
         self._tell(self._published)
+        if left_behind:  # our old neighbourhood holds us no longer: tell it so
+            msg = self._ping_msg([self._published], [], ask_record=False)
+            timeout_s = self.config.request_timeout_s
+            for peer in self.rng.sample(left_behind, min(self.config.fanout, len(left_behind))):
+                self._spawn(self._tell_directly(peer, msg, timeout_s))
 
     def out_of_step(self, fraction: float) -> None:
         """Date our last publication ``fraction`` of the way through the current refresh
@@ -247,15 +287,25 @@ class MembershipService:
         """Pings and replies one piece of news rides on, per node."""
         return PIGGYBACK_MULT * max(1, math.ceil(math.log10(n + 1)))
 
-    def _tell(self, item: PeerRecord | Obituary) -> None:
-        """Pass ``item`` on: pushed soon to ``fanout`` members, then piggybacked."""
-        self._news[item.peer_id] = _News(item, self._piggybacks(len(self.table) + 1))
+    def _tell(self, item: PeerRecord | Obituary, stages: tuple[int, ...] | None = None) -> None:
+        """Pass ``item`` on: pushed soon to ``fanout`` members, then piggybacked; only to
+        members whose tables hold one of ``stages`` (the stages of the peer it is about,
+        before and after a move; None: any member, as for our own record)."""
+        if stages is None and isinstance(item, PeerRecord) and item.peer_id != self.table.self_id:
+            stages = (item.stage,)
+        self._news[item.peer_id] = _News(item, self._piggybacks(len(self.table) + 1), stages)
         if self._push is None or self._push.done():
             self._push = self._spawn(self._push_news())
 
-    def _piggyback(self) -> tuple[list[PeerRecord], list[Obituary]]:
-        """News for one more message: up to ``MAX_NEWS`` items, the least spread first."""
-        items = sorted(self._news.values(), key=lambda n: -n.piggy_left)[:MAX_NEWS]
+    def _wants(self, news: _News, stage: int) -> bool:
+        """Whether a member of ``stage`` holds the stages ``news`` is about."""
+        return news.stages is None or any(self.table.covers(s, stage) for s in news.stages)
+
+    def _piggyback(self, stage: int = -1) -> tuple[list[PeerRecord], list[Obituary]]:
+        """News for one more message, to a member of ``stage``: up to ``MAX_NEWS`` items it
+        wants, the least spread first."""
+        wanted = [n for n in self._news.values() if self._wants(n, stage)]
+        items = sorted(wanted, key=lambda n: -n.piggy_left)[:MAX_NEWS]
         for news in items:
             news.piggy_left -= 1
         self._drop_spent(items)
@@ -279,11 +329,22 @@ class MembershipService:
                 self._drop_spent(items)
                 return
             self._drop_spent(items)
-            news_, deaths = _split(items)
-            msg = self._ping_msg(news_, deaths, ask_record=False)
-            targets = self.rng.sample(members, min(self.config.fanout, len(members)))
+            groups: dict[tuple[int, ...] | None, list[_News]] = {}
+            for news in items:  # whole-swarm tables: every member takes every item
+                groups.setdefault(news.stages if self.table.scope else None, []).append(news)
+            batches: dict[str, tuple[PeerRecord, list[_News]]] = {}
+            for group in groups.values():  # to fanout members that hold what it is about
+                takers = [p for p in members if self._wants(group[0], p.stage)]
+                for p in self.rng.sample(takers, min(self.config.fanout, len(takers))):
+                    batches.setdefault(p.peer_id, (p, []))[1].extend(group)
+            targets = [p for p, _ in batches.values()]
+            msgs = [
+                self._ping_msg(*_split(batch), ask_record=False) for _, batch in batches.values()
+            ]
             timeout_s, start = self.config.request_timeout_s, self.clock.now()
-            answered = await asyncio.gather(*(self._ping(p, msg, timeout_s) for p in targets))
+            answered = await asyncio.gather(
+                *(self._ping(p, m, timeout_s) for p, m in zip(targets, msgs, strict=True))
+            )
             for target, ok in zip(targets, answered, strict=True):
                 if not ok:
                     self._missing.setdefault(target.peer_id, start)
@@ -297,6 +358,7 @@ class MembershipService:
         would repeat the whole swarm)."""
         now = self.clock.now()
         for record in news:
+            held = self.table.get(record.peer_id)
             outcome = self.table.observe(record, now, direct=record.peer_id == via)
             if outcome is None or not spread:
                 if outcome == NEW:
@@ -310,7 +372,8 @@ class MembershipService:
                     record.address,
                     via[:8],
                 )
-            self._tell(record)
+            moved = held is not None and held.stage != record.stage
+            self._tell(record, (held.stage, record.stage) if moved and held else None)
         for death in deaths:
             if death.peer_id == self.table.self_id:
                 if death.incarnation >= self._incarnation and not self._leaving:
@@ -329,8 +392,105 @@ class MembershipService:
                     log.info("peer %s %s", death.peer_id[:8], "left" if death.left else "gone")
                     if not death.left:
                         self._lose(held.address, now)
-                if spread:
-                    self._tell(death)
+                if spread and held is not None:
+                    self._tell(death, (held.stage,))
+                elif spread and self.table.scope is None:
+                    self._tell(death)  # whole-swarm tables: everyone holds it, or will
+
+    # -- stage summaries -------------------------------------------------------------------
+
+    def summaries(self) -> dict[int, StageSummary]:
+        """What this node knows of each stage: computed from its table for the stages it
+        holds, as last relayed by others (``age_s`` grown since) for the rest."""
+        now = self.clock.now()
+        known = (self._summary(stage, now) for stage in sorted(self._stages()))
+        return {summary.stage: summary for summary in known if summary is not None}
+
+    def _stages(self) -> set[int]:
+        """The stages we hold or have a summary of."""
+        scope = self.table.scope
+        if scope is None:
+            return {r.stage for r in (*self.table.records(), self.self_record()) if r.stage >= 0}
+        return set(self._far) | {s for s in range(scope.num_stages) if self.table.covers(s)}
+
+    def _summary(self, stage: int, now: float) -> StageSummary | None:
+        if not self.table.covers(stage):
+            far = self._far.get(stage)
+            return None if far is None else replace(far[0], age_s=round(now - far[1], 3))
+        own = self.self_record()
+        records = self.table.replicas(stage, ready_only=False)
+        if own.stage == stage and not own.leaving:
+            records.append(own)
+        dialable = [r for r in records if r.ready and not r.relays and r.address]
+        # a contact that spoke to us lately (or we ourselves): the least likely to be dead
+        lately = [
+            r.address
+            for r in dialable
+            if r.peer_id == own.peer_id
+            or (self.table.silent_s(r.peer_id, now) or math.inf) < self.config.ttl_s
+        ]
+        contacts = lately or [r.address for r in dialable]
+        return StageSummary(
+            stage=stage,
+            replicas=len(records),
+            ready=sum(r.ready for r in records),
+            throughput=sum(r.throughput for r in records if r.ready),
+            step=max((r.step for r in records), default=0),
+            age_s=0.0,
+            contact=self.rng.choice(contacts) if contacts else "",
+        )
+
+    def _summaries_for(self, stage: int, everything: bool = False) -> list[StageSummary]:
+        """Summaries for a node of ``stage``: in a welcome (``everything``), of every stage
+        whose records it does not get from us (it may hold them, we do not: their contacts
+        lead it there); on a probe, ``SUMMARIES_PER_MESSAGE`` in turn of the stages it does
+        not hold."""
+        if self.table.scope is None:
+            return []
+        if everything:
+            both = self.table.covers
+            wanted = sorted(s for s in self._stages() if not (both(s) and both(s, stage)))
+        else:
+            wanted = sorted(s for s in self._stages() if not self.table.covers(s, stage))
+        if not everything and len(wanted) > SUMMARIES_PER_MESSAGE:
+            start = self._summary_turn % len(wanted)
+            self._summary_turn += SUMMARIES_PER_MESSAGE
+            wanted = (wanted[start:] + wanted[:start])[:SUMMARIES_PER_MESSAGE]
+        now = self.clock.now()
+        known = (self._summary(s, now) for s in wanted)
+        return [summary for summary in known if summary is not None]
+
+    def _take_summaries(self, summaries: list[StageSummary]) -> None:
+        """Keep the freshest summary of each stage of the swarm (stages past the pipeline's
+        last are not kept: a hostile peer cannot grow the map)."""
+        scope = self.table.scope
+        if scope is None:
+            return
+        now = self.clock.now()
+        for summary in summaries:
+            if summary.stage >= scope.num_stages:
+                continue
+            as_of = now - summary.age_s
+            held = self._far.get(summary.stage)
+            if held is None or as_of > held[1]:
+                self._far[summary.stage] = (summary, as_of)
+
+    def _contacts_due(self, now: float, held: set[str]) -> set[str]:
+        """Addresses to greet for the stages we hold no record of though we should (we just
+        joined or moved there): the contacts their summaries name, each at most every
+        ``ttl_s``."""
+        if self.table.scope is None or self.table.stage < 0:
+            return set()
+        present = {r.stage for r in self.table.records()} | {self.table.stage}
+        due: set[str] = set()
+        for stage, (summary, _) in self._far.items():
+            address = summary.contact
+            if stage in present or not self.table.covers(stage) or not address or address in held:
+                continue
+            if now - self._greeted_contacts.get(address, -math.inf) >= self.config.ttl_s:
+                self._greeted_contacts[address] = now
+                due.add(address)
+        return due
 
     # -- rounds ----------------------------------------------------------------------------
 
@@ -366,8 +526,11 @@ class MembershipService:
         self._others_missed &= set(missing)
         probes = [self._probe_once(p) for p in dict.fromkeys([*missing, *target])]
         held = {p.address for p in self.table.records()} | {self.self_record().address}
-        greet = {a for a in (*self.bootstrap, *self._sighted) if a not in held}
-        greet |= self._lost_due(now, held)
+        if not len(self.table):
+            self._answered_far.clear()  # we hold nobody: greet everyone we know of again
+        answered = held | self._answered_far  # a bootstrap outside our scope is not held
+        greet = {a for a in (*self.bootstrap, *self._sighted) if a not in answered}
+        greet |= self._lost_due(now, held) | self._contacts_due(now, held)
         self._sighted -= greet
         await asyncio.gather(*probes, *(self.contact(a) for a in sorted(greet)))
         self.num_rounds += 1
@@ -395,7 +558,8 @@ class MembershipService:
         if record is None:
             return
         start = self.clock.now()
-        if await self._ping(record, self._ping_msg(*self._piggyback())):
+        msg = self._ping_msg(*self._piggyback(record.stage), stage=record.stage)
+        if await self._ping(record, msg):
             self._missing.pop(peer_id, None)
             self._others_missed.discard(peer_id)
             return
@@ -424,11 +588,15 @@ class MembershipService:
             self.num_buried += 1
             log.info("peer %s gone: no probe reached it for %.0fs", peer_id[:8], now - since)
             self._lose(record.address, now)
-            self._tell(Obituary(peer_id, record.incarnation))
+            self._tell(Obituary(peer_id, record.incarnation), (record.stage,))
         return True
 
     async def _probe_through_others(self, record: PeerRecord) -> bool:
-        others = [p for p in self.table.records() if p.peer_id != record.peer_id]
+        others = [
+            p
+            for p in self.table.records()
+            if p.peer_id != record.peer_id and self.table.covers(record.stage, p.stage)
+        ]
         helpers = self.rng.sample(others, min(self.config.indirect_probes, len(others)))
         probe = Probe(sender=self.table.self_id, target=record.peer_id)
         timeout_s = 2 * self.config.probe_timeout_s + 0.5
@@ -443,12 +611,21 @@ class MembershipService:
 
         return any(await asyncio.gather(*(through(h) for h in helpers)))
 
+    async def _tell_directly(self, record: PeerRecord, msg: Ping, timeout_s: float) -> None:
+        await self._ping(record, msg, timeout_s)
+
     async def _ask_back(self, record: PeerRecord) -> None:
         await self._ping(record, replace(self._ping_msg([], []), pull=True))
 
     def _ping_msg(
-        self, news: list[PeerRecord], deaths: list[Obituary], ask_record: bool = True
+        self,
+        news: list[PeerRecord],
+        deaths: list[Obituary],
+        ask_record: bool = True,
+        stage: int | None = None,
     ) -> Ping:
+        """A ping; a probe of a member of ``stage`` brings it summaries of stages it does
+        not hold."""
         own = self.own()
         return Ping(
             self.table.self_id,
@@ -457,6 +634,7 @@ class MembershipService:
             ask_record=ask_record,
             incarnation=own.incarnation,
             version=own.version,
+            stages=[] if stage is None else self._summaries_for(stage),
         )
 
     async def _ping(self, record: PeerRecord, msg: Ping, timeout_s: float | None = None) -> bool:
@@ -508,14 +686,15 @@ class MembershipService:
 
     # -- hello, ping, probe, leave ---------------------------------------------------------
 
-    async def contact(self, address: str, introduce: bool = False) -> bool:
+    async def contact(self, address: str, introduce: bool = False, share: bool = True) -> bool:
         """Greet the node at ``address`` (our record and table, theirs back; an
-        introduction sends neither table); False if it did not answer."""
+        introduction sends neither table; without ``share``, ours is not sent: a stage's
+        contact holds its stage better than we do); False if it did not answer."""
         hello = Hello(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
             sender=self.current(),
-            peers=[] if introduce else self.table.records(),
+            peers=[] if introduce or not share else self.table.records(),
             want_table=not introduce,
         )
         try:
@@ -527,9 +706,31 @@ class MembershipService:
         if (welcome.swarm, welcome.fingerprint) != (self.swarm, self.fingerprint):
             return False
         self.observed_host = welcome.observed_host
+        if not self.table.covers(welcome.sender.stage):
+            self._answered_far.add(address)
         self._take([], welcome.deaths, welcome.sender.peer_id, spread=False)
         self._greeted(welcome.sender, welcome.peers, welcome.sender.address)
+        self._take_summaries(welcome.stages)
+        records = self.table.records()
+        held = {p.address for p in records} | {self.self_record().address}
+        due = self._contacts_due(self.clock.now(), held)
+        if address in self._answered_far and not due:
+            # it holds another neighbourhood than ours: one of ours has our table (and
+            # spreads our join); it may have named some of them (its lobby)
+            ours = [r.address for r in records if not r.relays and r.address]
+            due = {self.rng.choice(ours)} if ours else set()
+        for contact in sorted(due):
+            self._spawn(self._greet(contact))
         return True
+
+    async def _greet(self, address: str) -> None:
+        """Greet a stage's contact; if it does not answer, greet another member (or the
+        bootstrap) for fresh summaries, which name other contacts."""
+        if await self.contact(address, share=False):
+            return
+        others = [r.address for r in self.table.records() if not r.relays] or self.bootstrap
+        if others:
+            await self.contact(self.rng.choice(others), share=False)
 
     async def introduce(self, address: str) -> bool:
         """Make ourselves known to a member that refused us as ``unknown_peer``."""
@@ -545,13 +746,17 @@ class MembershipService:
             )
         deaths = self._obituaries(hello.sender.peer_id)
         self._greeted(hello.sender, hello.peers, hello.sender.address)
+        stage = hello.sender.stage
+        peers = [r for r in self.table.records() if self.table.covers(r.stage, stage)]
+        peers += self._lobby_for(hello.sender)
         return Welcome(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
             sender=self.current(),
-            peers=self.table.records() if hello.want_table else [],
+            peers=peers if hello.want_table else [],
             observed_host=observed_host,
             deaths=deaths,
+            stages=self._summaries_for(stage, everything=True) if hello.want_table else [],
         )
 
     def _greeted(self, sender: PeerRecord, peers: list[PeerRecord], address: str) -> None:
@@ -562,6 +767,29 @@ class MembershipService:
         if outcome is not None:
             self._tell(self.table.get(sender.peer_id) or sender)
         self._take(peers, [], sender.peer_id, spread=False)
+
+    def _lobby_for(self, greeter: PeerRecord) -> list[PeerRecord]:
+        """The last few greeters of stages outside our scope that ``greeter``'s table holds
+        (a swarm's first nodes, all greeting one bootstrap, find each other this way before
+        any summary names them); ``greeter`` joins the lobby if we do not hold it."""
+        if self.table.scope is None:
+            return []
+        now = self.clock.now()
+        found = [
+            record
+            for stage, waiting in self._lobby.items()
+            for record, since in waiting
+            if self.table.covers(stage, greeter.stage)
+            and record.peer_id != greeter.peer_id
+            and now - since < LOST_FORGET_S
+        ]
+        in_pipeline = 0 <= greeter.stage < self.table.scope.num_stages  # bounds the lobby
+        if in_pipeline and not self.table.covers(greeter.stage):
+            waiting = [
+                w for w in self._lobby.get(greeter.stage, []) if w[0].peer_id != greeter.peer_id
+            ]
+            self._lobby[greeter.stage] = [*waiting, (greeter, now)][-LOBBY_PER_STAGE:]
+        return found
 
     def _obituaries(self, greeter: str) -> list[Obituary]:
         """The deaths a greeter should know: every standing tombstone (its table may hold a
@@ -588,6 +816,7 @@ class MembershipService:
             # else a member we buried answers the false alarm with a higher incarnation
         self.table.heard_from(ping.sender, self.clock.now())
         self._take(ping.news, ping.deaths, ping.sender)
+        self._take_summaries(ping.stages)
         held = self.table.get(ping.sender)
         if held is not None and (held.incarnation, held.version) < (
             ping.incarnation,
@@ -595,7 +824,8 @@ class MembershipService:
         ):
             # its reply brings its own record (a plain ping: no suspicion if it fails)
             self._spawn(self._ask_back(held))
-        news, deaths = ([], []) if ping.pull else self._piggyback()
+        stage = -1 if held is None else held.stage
+        news, deaths = ([], []) if ping.pull else self._piggyback(stage)
         sender = self.current() if ping.ask_record else None
         return Pong(sender=sender, news=news, deaths=deaths)
 
@@ -606,16 +836,18 @@ class MembershipService:
         record = self.table.get(probe.target)
         if record is None:
             raise Refused("unknown_target", f"this node holds no peer {probe.target[:16]}", 404)
-        if not await self._ping(record, self._ping_msg(*self._piggyback())):
+        if not await self._ping(record, self._ping_msg(*self._piggyback(record.stage))):
             raise Refused("unreachable", f"peer {probe.target[:16]} did not answer", 504)
         return Pong()
 
     def handle_leave(self, leave: Leave) -> None:
         incarnation = leave.incarnation or self.table.incarnation(leave.peer_id)
+        held = self.table.get(leave.peer_id)
         now = self.clock.now()
         if incarnation is not None and self.table.bury(leave.peer_id, incarnation, now):
             log.info("peer %s left", leave.peer_id[:8])
-            self._tell(Obituary(leave.peer_id, incarnation, left=True))
+            stages = None if held is None else (held.stage,)
+            self._tell(Obituary(leave.peer_id, incarnation, left=True), stages)
 
     async def leave_all(self, timeout_s: float) -> None:
         """Tell members we are leaving (best effort, bounded time): ``2 * fanout`` of them,
@@ -649,6 +881,8 @@ class _News:
     item: PeerRecord | Obituary
     piggy_left: int
     """Pings and replies it still rides on."""
+    stages: tuple[int, ...] | None = None
+    """The stages it is about: only members holding one of them take it (None: all)."""
     pushed: bool = False
 
 

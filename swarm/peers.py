@@ -13,6 +13,11 @@ figures of the moment. A relay cannot move a peer we hear from directly: while i
 messages are fresh (``ttl_s``), the address and relays they came with stand (a member
 passing on a false address or relay for another peer's id cannot draw that peer's work).
 
+A table may hold only a ``Neighbourhood`` of stages (its own and those within a radius of
+it on the ring of stages): records of other stages are not taken, and one it held that moves
+away is dropped (not buried: the peer lives on elsewhere). Without one it holds the whole
+swarm.
+
 Liveness is not decided here: ``swarm.membership`` probes peers and buries the ones that no
 probe reaches.
 """
@@ -30,6 +35,23 @@ NEWER = "newer"
 """``observe`` result: a newer record of a peer we held."""
 
 
+@dataclass(frozen=True)
+class Neighbourhood:
+    """The stages a node holds records of: those within ``radius`` of its own on the ring of
+    ``num_stages`` stages (a microbatch goes 0 -> 1 -> ... -> n-1 -> 0; CheckFree+ swaps
+    neighbours, so its routes reach two stages on). A node with no stage yet (< 0) holds
+    every stage, and a peer with none is held by every node."""
+
+    num_stages: int
+    radius: int = 1
+
+    def covers(self, own: int, stage: int) -> bool:
+        if own < 0 or stage < 0:
+            return True
+        d = abs(own - stage) % self.num_stages
+        return min(d, self.num_stages - d) <= self.radius
+
+
 @dataclass
 class _Entry:
     record: PeerRecord
@@ -43,17 +65,29 @@ class PeerTable:
     """Known peers other than ourselves, keyed by peer id."""
 
     def __init__(
-        self, self_id: str, ttl_s: float, max_peers: int = 16384, grave_s: float | None = None
+        self,
+        self_id: str,
+        ttl_s: float,
+        max_peers: int = 16384,
+        grave_s: float | None = None,
+        scope: Neighbourhood | None = None,
     ) -> None:
         self.self_id = self_id
+        self.scope = scope
+        """The stages held (None: every stage)."""
+        self.stage = -1
+        """Our own stage, the centre of ``scope`` (``set_stage``)."""
         self.ttl_s = ttl_s
         self.max_peers = max_peers
         self.grave_s = max(4 * ttl_s, 30.0) if grave_s is None else grave_s
         """How long a tombstone outlives the peer (longer than any news takes to spread)."""
         self.num_refused_full = 0
         """New peers ignored because the table was full (a flood of made-up records)."""
+        self.num_moved_away = 0
+        """Peers dropped because they moved to a stage outside ``scope``."""
         self._entries: dict[str, _Entry] = {}
         self._graves: dict[str, tuple[int, float]] = {}  # peer id -> (incarnation, buried at)
+        self._moved: dict[str, tuple[tuple[int, int], float]] = {}  # moved away: (key, when)
 
     def observe(self, record: PeerRecord, now: float, *, direct: bool = False) -> str | None:
         """Take a record, from the peer itself (``direct``) or relayed by another: ``NEW``
@@ -65,7 +99,17 @@ class PeerTable:
         if record.peer_id == self.self_id:
             return None
         entry = self._entries.get(record.peer_id)
+        if not self.covers(record.stage):
+            if entry is None or _key(record) <= _key(entry.record):
+                return None
+            del self._entries[record.peer_id]  # newer, and moved out of our neighbourhood
+            self._moved[record.peer_id] = (_key(record), now)
+            self.num_moved_away += 1
+            return NEWER
         if entry is None:
+            moved = self._moved.get(record.peer_id)
+            if moved is not None and _key(record) <= moved[0]:
+                return None  # news from before its move, still travelling
             grave = self._graves.get(record.peer_id)
             buried = grave is not None and record.incarnation <= grave[0]
             if record.leaving or (buried and not direct):
@@ -93,6 +137,17 @@ class PeerTable:
         entry.record, entry.updated_s = record, now
         return NEWER
 
+    def covers(self, stage: int, own: int | None = None) -> bool:
+        """Whether a table centred on ``own`` (ours by default) holds ``stage``."""
+        return self.scope is None or self.scope.covers(self.stage if own is None else own, stage)
+
+    def set_stage(self, stage: int) -> None:
+        """Centre the neighbourhood on ``stage``, dropping the records it no longer covers."""
+        self.stage = stage
+        far = [p for p, e in self._entries.items() if not self.covers(e.record.stage)]
+        for peer_id in far:
+            del self._entries[peer_id]
+
     def heard_from(self, peer_id: str, now: float) -> None:
         """The peer itself spoke to us (it answered a probe, or sent us something)."""
         entry = self._entries.get(peer_id)
@@ -116,8 +171,9 @@ class PeerTable:
         return True
 
     def forget_graves(self, now: float) -> None:
-        """Drop tombstones older than ``grave_s``."""
+        """Drop tombstones (and marks of peers that moved away) older than ``grave_s``."""
         self._graves = {p: g for p, g in self._graves.items() if now - g[1] <= self.grave_s}
+        self._moved = {p: m for p, m in self._moved.items() if now - m[1] <= self.grave_s}
 
     def grave(self, peer_id: str) -> int | None:
         """The incarnation a peer was buried in, while its tombstone stands."""

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from protocol.messages import Hello, Obituary, PeerRecord, Ping, Probe
+from protocol.messages import Hello, Obituary, PeerRecord, Ping, Probe, StageSummary
 from swarm.membership import (
     EXCHANGE_BYTES,
     LOST_FORGET_S,
@@ -18,13 +18,18 @@ from swarm.membership import (
     MembershipConfig,
     MembershipService,
 )
-from swarm.peers import PeerTable
+from swarm.peers import Neighbourhood, PeerTable
 from swarm.seams import Refused
 from swarm.simnet import SimClock, SimNet
 
 
 def make(
-    net: SimNet, i: int, swarm: str = "s", fp: str = "f", stage: int | None = None
+    net: SimNet,
+    i: int,
+    swarm: str = "s",
+    fp: str = "f",
+    stage: int | None = None,
+    scope: Neighbourhood | None = None,
 ) -> MembershipService:
     address = f"10.0.0.{i}:7070"
     record = PeerRecord(
@@ -34,7 +39,7 @@ def make(
         MembershipConfig(ttl_s=5.0, fanout=3),
         swarm=swarm,
         fingerprint=fp,
-        table=PeerTable(record.peer_id, 5.0),
+        table=PeerTable(record.peer_id, 5.0, scope=scope),
         transport=net.transport(address),
         clock=net.clock,
         self_record=lambda: record,
@@ -321,4 +326,112 @@ async def test_a_member_that_cannot_be_dialled_but_pings_stays_alive() -> None:
     while any("p3" in n.table for n in nodes[:3]):
         await sw.run_for(0.1)
         assert sw.clock.t - start < 8.0 + 5.0, "still in a table"
+    await sw.close()
+
+
+# -- neighbourhood tables: a node holds its own stage and the two next to it ----------------
+
+EIGHT = Neighbourhood(8)
+
+
+def near(stage: int, other: int) -> bool:
+    return EIGHT.covers(stage, other)
+
+
+async def neighbourhoods(n: int) -> tuple[Swarm, list[MembershipService]]:
+    """``n`` nodes on 8 stages (node i on stage i % 8), all joining through node 0 (stage
+    0, whose table holds stages 7, 0 and 1 only)."""
+    sw = Swarm()
+    nodes = [sw.add(i, stage=i % 8, scope=EIGHT) for i in range(n)]
+    for node in nodes[1:]:
+        node.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(15.0)
+    return sw, nodes
+
+
+def holds_its_neighbourhood(node: MembershipService, nodes: list[MembershipService]) -> bool:
+    stage = node.self_record().stage
+    expected = {
+        n.table.self_id for n in nodes if n is not node and near(stage, n.self_record().stage)
+    }
+    return {r.peer_id for r in node.table.records()} == expected
+
+
+async def test_a_neighbourhood_table_holds_its_stages_even_when_joined_through_a_far_node() -> None:
+    sw, nodes = await neighbourhoods(24)
+    for node in nodes:
+        assert holds_its_neighbourhood(node, nodes), node.table.self_id
+        assert len(node.table) == 8  # 3 stages of 3 replicas, less itself
+    # and a summary of every other stage, counting its replicas right
+    far = nodes[4]  # stage 4
+    await sw.run_for(10.0)
+    summaries = far.summaries()
+    assert sorted(summaries) == list(range(8))
+    for stage, summary in summaries.items():
+        assert (summary.replicas, summary.ready) == (3, 3), summary
+        if not near(4, stage):
+            assert summary.age_s < 10.0 and summary.contact.endswith(":7070")
+    await sw.close()
+
+
+async def test_a_newcomer_is_known_to_its_neighbourhood_within_five_seconds_and_nowhere_else() -> (
+    None
+):
+    sw, nodes = await neighbourhoods(24)
+    newcomer = sw.add(100, stage=4, scope=EIGHT)
+    newcomer.add_bootstrap(["10.0.0.0:7070"])  # stage 0: holds nothing of stage 4's
+    start = sw.clock.t
+    neighbours = [n for n in nodes if near(4, n.self_record().stage)]
+    while not all("p100" in n.table for n in neighbours):
+        await sw.run_for(0.1)
+        assert sw.clock.t - start < 5.0
+    await sw.run_for(5.0)
+    assert holds_its_neighbourhood(newcomer, [*nodes, newcomer])
+    assert not any("p100" in n.table for n in nodes if n not in neighbours)
+    await sw.close()
+
+
+async def test_a_death_leaves_every_table_that_held_it_within_ttl_and_five_seconds() -> None:
+    sw, nodes = await neighbourhoods(24)
+    for node in nodes:
+        node.config = replace(node.config, ttl_s=8.0)
+    sw.kill(nodes[12])  # stage 4
+    start = sw.clock.t
+    while any("p12" in n.table for n in nodes):
+        await sw.run_for(0.1)
+        assert sw.clock.t - start < 8.0 + 5.0
+    await sw.run_for(5.0)
+    summary = nodes[0].summaries()[4]  # stage 0 hears of it through summaries
+    assert summary.replicas == 2, summary
+    await sw.close()
+
+
+async def test_a_node_that_moves_leaves_its_old_neighbourhood_and_joins_the_new_one() -> None:
+    sw, nodes = await neighbourhoods(24)
+    mover = nodes[12]  # stage 4 -> 0
+    record = replace(mover.self_record(), stage=0)
+    mover.self_record = lambda: record  # type: ignore[method-assign]
+    await sw.run_for(6.0)
+    for node in nodes:
+        if node is mover:
+            continue
+        assert ("p12" in node.table) == near(0, node.self_record().stage), node.table.self_id
+    assert holds_its_neighbourhood(mover, nodes)
+    await sw.close()
+
+
+async def test_a_summary_of_a_stage_past_the_pipeline_is_not_kept() -> None:
+    sw, nodes = await neighbourhoods(8)
+    node = nodes[4]
+    bogus = [StageSummary(stage, 5, 5, 1.0, 1, 0.0, "10.9.9.9:1") for stage in (8, 10**9)]
+    node.handle_ping(Ping(sender="p3", stages=bogus))
+    assert sorted(node.summaries()) == list(range(8))
+    await sw.close()
+
+
+async def test_a_node_does_not_greet_a_far_bootstrap_again_once_it_answered() -> None:
+    sw, nodes = await neighbourhoods(16)
+    hellos = sw.net.by_type["hello"]
+    await sw.run_for(20.0)
+    assert sw.net.by_type["hello"] == hellos  # every far node's bootstrap (node 0) answered
     await sw.close()

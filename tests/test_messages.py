@@ -31,6 +31,7 @@ from protocol.messages import (
     RingChunk,
     Rollback,
     StageState,
+    StageSummary,
     Welcome,
     decode_message,
     encode_message,
@@ -52,6 +53,8 @@ def test_every_message_type_round_trips() -> None:
         Welcome(swarm="s", fingerprint="f", sender=rec, peers=[], observed_host="9.9.9.9"),
         Leave(peer_id="ab", incarnation=3),
         Ping(sender="ab", news=[rec], deaths=[Obituary("cd", 4, left=True)]),
+        Ping(sender="ab", stages=[StageSummary(5, 3, 2, 12.5, 40, 1.25, "1.2.3.4:5")]),
+        Welcome("s", "f", rec, [], "9.9.9.9", stages=[StageSummary(0, 0, 0, 0.0, 0, 0.0)]),
         Pong(sender=rec, news=[], deaths=[Obituary("cd", 4)]),
         Pong(),
         Probe(sender="ab", target="cd"),
@@ -237,6 +240,36 @@ def test_a_refusal_says_where_the_bad_field_is(
             "pong.sender: version 9007199254740992 is above 2**53 - 1",
         ),
         (Ack(service_rate=float("inf")), "ack: rate 0.0 or service_rate inf is not finite >= 0"),
+        (
+            Ping(
+                "a",
+                stages=[StageSummary(3, 2, 1, 1.0, 0, 0.0), StageSummary(4, -1, 0, 0.0, 0, 0.0)],
+            ),
+            "ping.stages[1]: replicas -1 is negative",
+        ),
+        (
+            Ping("a", stages=[StageSummary(3, 2, 3, 1.0, 0, 0.0)]),
+            "ping.stages[0]: ready 3 is above replicas 2",
+        ),
+        (
+            Welcome(
+                "s",
+                "f",
+                PeerRecord("p", "a:1", 0),
+                [],
+                "h",
+                stages=[StageSummary(1, 2, 2, float("nan"), 0, 0.0)],
+            ),
+            "welcome.stages[0]: throughput nan is not a finite number >= 0",
+        ),
+        (
+            Ping("a", stages=[StageSummary(3, 2, 2, 1.0, 0, -5.0)]),
+            "ping.stages[0]: age_s -5.0 is not a finite number >= 0",
+        ),
+        (
+            Ping("a", stages=[StageSummary(-2, 2, 2, 1.0, 0, 0.0)]),
+            "ping.stages[0]: stage -2 is negative",
+        ),
     ],
 )
 def test_figures_no_honest_peer_sends_are_malformed(msg: object, message: str) -> None:

@@ -1,7 +1,7 @@
 """Peer table: versions, direct and relayed records, tombstones, with explicit ``now``."""
 
 from protocol.messages import PeerRecord
-from swarm.peers import NEW, NEWER, PeerTable
+from swarm.peers import NEW, NEWER, Neighbourhood, PeerTable
 
 
 def rec(
@@ -112,3 +112,33 @@ def test_a_relay_cannot_move_a_peer_we_hear_from_directly() -> None:
     t.heard_from("a", now=11.0)  # it answered a ping at the address we hold
     t.observe(PeerRecord("a", "7.7.7.7:1", 1, incarnation=1, version=4), now=12.0)
     assert t.get("a").address == "6.6.6.6:1"  # type: ignore[union-attr]
+
+
+def test_a_neighbourhood_is_the_stages_within_its_radius_on_the_ring() -> None:
+    eight = Neighbourhood(8)
+    # stage 0 is the head: its neighbours are the first block stage and the last
+    assert [s for s in range(8) if eight.covers(0, s)] == [0, 1, 7]
+    assert [s for s in range(8) if eight.covers(4, s)] == [3, 4, 5]
+    assert [s for s in range(8) if Neighbourhood(8, radius=2).covers(7, s)] == [0, 1, 5, 6, 7]
+    assert all(eight.covers(-1, s) for s in range(8))  # no stage yet: everything
+    assert eight.covers(3, -1)  # a peer with no stage yet is held by everyone
+    assert [s for s in range(3) if Neighbourhood(3).covers(1, s)] == [0, 1, 2]
+
+
+def test_a_table_holds_its_neighbourhood_and_drops_a_peer_that_moves_away() -> None:
+    t = PeerTable("me", ttl_s=10, scope=Neighbourhood(8))
+    t.set_stage(4)
+    assert t.observe(rec("near", stage=5), 0.0) == NEW
+    assert t.observe(rec("far", stage=1), 0.0) is None and "far" not in t
+    assert t.observe(rec("new", stage=-1), 0.0) == NEW  # no stage yet
+    # news that a held peer moved out of the neighbourhood: dropped, and news to pass on
+    assert t.observe(rec("near", stage=6, version=2), 1.0) == NEWER and "near" not in t
+    assert t.num_moved_away == 1 and t.grave("near") is None  # not buried: it lives on
+    # an older record of it (still travelling) does not bring it back; a newer one does
+    assert t.observe(rec("near", stage=5, version=1), 2.0) is None and "near" not in t
+    assert t.observe(rec("near", stage=3, version=3), 3.0) == NEW and t.get("near").stage == 3  # type: ignore[union-attr]
+    # moving ourselves: what the new neighbourhood does not cover goes
+    t.observe(rec("five", stage=5), 4.0)
+    t.set_stage(2)
+    assert sorted(r.peer_id for r in t.records()) == ["near", "new"]
+    assert t.covers(1) and not t.covers(5) and t.covers(5, own=4)
