@@ -15,11 +15,21 @@ Per size ``n`` (8 stages, nodes spread evenly, 20 ms one way between any two):
   a join is in every table of its neighbour stages (its own, the two next to it, and the
   head stage 0) and until a death has left every table.
 
-Writes ``bench/results/membership.json`` (rows under ``simulated``; ``real`` stays a list
-for measurements from real processes) and ``membership.png``.
+Two kinds of table (``--tables``): ``swarm``, every node holding every other (8 stages),
+and ``neighbourhood``, every node holding only its own stage and the two next to it, with
+summaries of the rest (``swarm.peers.Neighbourhood``; ``--stage-size`` replicas per stage,
+so the stages grow in number with the swarm, at least 8). With neighbourhoods, "every table"
+above means every table that holds the peer, and the rows also give how old each node's
+summaries of the stages it does not hold are, and whether they count the stage's replicas
+right.
 
-Usage: ``python -m bench.membership [--sizes 100,1000,3000] [--steady-s 30] [--churn-s 60]``;
-``--quick`` for the test's small version.
+Writes ``bench/results/membership.json`` (rows under ``simulated``, each with its
+``tables``; a run replaces the rows of its own sizes and kind and keeps the others; ``real``
+stays a list for measurements from real processes) and ``membership.png``.
+
+Usage: ``python -m bench.membership [--sizes 100,1000,3000] [--tables swarm|neighbourhood]
+[--stage-size 125] [--steady-s 30] [--churn-s 60]``; ``--quick`` for the test's small
+version.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from typing import Any
 
 from protocol.messages import PeerRecord
 from swarm.membership import MembershipConfig, MembershipService
-from swarm.peers import PeerTable
+from swarm.peers import Neighbourhood, PeerTable
 from swarm.simnet import HTTP_OVERHEAD_BYTES, SimClock, SimNet
 
 RESULTS = Path(__file__).parent / "results"
@@ -53,9 +63,18 @@ def say(text: str) -> None:
 
 class SimSwarm:
     def __init__(
-        self, config: MembershipConfig, seed: int, latency_s: float, idle: bool = False
+        self,
+        config: MembershipConfig,
+        seed: int,
+        latency_s: float,
+        idle: bool = False,
+        stages: int = STAGES,
+        scope: Neighbourhood | None = None,
     ) -> None:
         self.config = config
+        self.stages = stages
+        self.scope = scope
+        """Tables hold these neighbourhoods (None: the whole swarm)."""
         self.idle = idle
         """Figures that never change (as an idle daemon's): nothing to republish."""
         self.clock = SimClock()
@@ -69,13 +88,14 @@ class SimSwarm:
         i = self.next_id
         self.next_id += 1
         address = f"10.{i // 65536}.{i // 256 % 256}.{i % 256}:7070"
-        base = PeerRecord(peer_id=f"{i:016x}", address=address, stage=i % STAGES, ready=True)
+        base = PeerRecord(peer_id=f"{i:016x}", address=address, stage=i % self.stages, ready=True)
         clock = self.clock
+        table = PeerTable(base.peer_id, self.config.ttl_s, self.config.max_peers, scope=self.scope)
         svc = MembershipService(
             self.config,
             swarm="bench",
             fingerprint="f",
-            table=PeerTable(base.peer_id, self.config.ttl_s, self.config.max_peers),
+            table=table,
             transport=self.net.transport(address),
             clock=clock,
             self_record=(lambda: base)
@@ -100,6 +120,9 @@ class SimSwarm:
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
+    def by_id(self, peer_id: str) -> MembershipService:
+        return next(s for s in self.nodes.values() if s.table.self_id == peer_id)
+
     def bytes_now(self) -> dict[str, tuple[int, int]]:
         """Per live node: bytes in and out, and of them what HTTP adds."""
         net = self.net
@@ -107,15 +130,26 @@ class SimSwarm:
 
 
 def formed(
-    n: int, config: MembershipConfig, seed: int, latency_s: float, idle: bool = False
+    n: int,
+    config: MembershipConfig,
+    seed: int,
+    latency_s: float,
+    idle: bool = False,
+    stages: int = STAGES,
+    scope: Neighbourhood | None = None,
 ) -> SimSwarm:
-    """``n`` nodes whose tables already hold everyone (what joining ends in)."""
-    sw = SimSwarm(config, seed, latency_s, idle)
+    """``n`` nodes whose tables already hold everyone they hold (what joining ends in)."""
+    sw = SimSwarm(config, seed, latency_s, idle, stages, scope)
     nodes = [sw.new() for _ in range(n)]
-    records = [node.own() for node in nodes]
+    by_stage: dict[int, list[PeerRecord]] = {}
     for node in nodes:
-        for record in records:
-            node.table.observe(record, sw.clock.now())
+        record = node.own()
+        by_stage.setdefault(record.stage, []).append(record)
+    for node in nodes:
+        for stage, records in by_stage.items():
+            if node.table.covers(stage):
+                for record in records:
+                    node.table.observe(record, sw.clock.now())
     for node in nodes:  # a swarm that has run a while: refreshes out of step
         node.out_of_step(sw.rng.random())
     return sw
@@ -136,12 +170,51 @@ def rate(
     }
 
 
+def summaries_checked(sw: SimSwarm, sample: int = 50) -> dict[str, Any]:
+    """How old ``sample`` nodes' summaries of the stages they do not hold are, and how many
+    of them count the stage's live replicas wrong (a summary is as of its age: under churn
+    some are out of date by a replica)."""
+    truth: dict[int, int] = {}
+    for svc in sw.nodes.values():
+        truth[svc.table.stage] = truth.get(svc.table.stage, 0) + 1
+    ages: list[float] = []
+    wrong = missing = 0
+    for svc in sw.rng.sample(list(sw.nodes.values()), min(sample, len(sw.nodes))):
+        known = svc.summaries()
+        for stage in range(sw.stages):
+            if svc.table.covers(stage):
+                continue
+            summary = known.get(stage)
+            if summary is None:
+                missing += 1
+                continue
+            ages.append(summary.age_s)
+            wrong += summary.replicas != truth.get(stage, 0)
+    return {
+        "summary_age_s_median": round(statistics.median(ages), 1) if ages else None,
+        "summary_age_s_max": round(max(ages), 1) if ages else None,
+        "summaries_missing": missing,
+        "summaries_miscounted": wrong,
+        "summaries_checked": len(ages),
+    }
+
+
 async def measure(
-    n: int, steady_s: float, churn_s: float, seed: int, latency_s: float, idle: bool = False
+    n: int,
+    steady_s: float,
+    churn_s: float,
+    seed: int,
+    latency_s: float,
+    idle: bool = False,
+    stage_size: int = 0,
 ) -> dict[str, Any]:
-    """One size's steady and churn figures (steady only with ``churn_s`` 0)."""
+    """One size's steady and churn figures (steady only with ``churn_s`` 0); with
+    ``stage_size``, tables hold neighbourhoods of stages of about that many replicas."""
     config = MembershipConfig(max_peers=max(16384, 2 * n))
-    sw = formed(n, config, seed, latency_s, idle)
+    stages = max(STAGES, n // stage_size) if stage_size else STAGES
+    scope = Neighbourhood(stages) if stage_size else None
+    sw = formed(n, config, seed, latency_s, idle, stages, scope)
+    kind = {"tables": "neighbourhood" if scope else "whole swarm", "stages": stages}
     for svc in list(sw.nodes.values()):
         sw.start(svc)
     clock = sw.clock
@@ -151,13 +224,19 @@ async def measure(
     steady = rate(before, sw.bytes_now(), clock.t - t0)
     by_type = dict(sw.net.by_type)
     refresh_s = next(iter(sw.nodes.values())).refresh_s()
+    table_size = statistics.fmean(len(svc.table) for svc in sw.nodes.values())
     say(
-        f"n={n}: steady {steady['kbit_per_node_per_s']:.1f} kbit/s per node, refresh_s {refresh_s:.0f}"
+        f"n={n} ({kind['tables']}, {stages} stages): steady "
+        f"{steady['kbit_per_node_per_s']:.1f} kbit/s per node, refresh_s {refresh_s:.0f}, "
+        f"table {table_size:.0f}"
     )
+    summaries = summaries_checked(sw) if scope else {}
+    if summaries:
+        say(f"n={n}: summaries {summaries}")
 
     if churn_s <= 0:
         await sw.close()
-        return {"n": n, **steady, "refresh_s": round(refresh_s, 1), "idle": idle}
+        return {"n": n, **kind, **steady, "refresh_s": round(refresh_s, 1), "idle": idle}
 
     # churn: a node vanishes and another joins every 60 / (0.01 n) seconds, 5 times at least
     every_s = 60.0 / max(1.0, 0.01 * n)
@@ -182,9 +261,11 @@ async def measure(
         live = list(sw.nodes.values())
         by_stage: dict[int, list[MembershipService]] = {}
         for svc in live:
-            by_stage.setdefault(int(svc.table.self_id, 16) % STAGES, []).append(svc)
+            by_stage.setdefault(svc.table.stage, []).append(svc)
         for peer_id, (at, stage) in list(joins.items()):
-            near = {0, stage, (stage - 1) % STAGES, (stage + 1) % STAGES}
+            near = {stage, (stage - 1) % stages, (stage + 1) % stages}
+            if not scope:
+                near.add(0)  # and the head stage (neighbourhoods do not hold it)
             if all(
                 peer_id in s.table
                 for st in near
@@ -206,14 +287,24 @@ async def measure(
                             f"(age {s.table.age_s(peer_id, clock.t):.0f} s, missing since "
                             f"{s._missing.get(peer_id)}, news {peer_id in s._news})"
                         )
+            for peer_id, (at, stage) in joins.items():
+                unaware = [s.table.self_id for s in live if s.table.covers(stage)]
+                unaware = [p for p in unaware if p != peer_id and peer_id not in sw.by_id(p).table]
+                say(f"{peer_id} (stage {stage}) joined at {at - t0:.1f}, unknown to {unaware}")
             raise RuntimeError(f"n={n}: {len(joins)} joins, {len(deaths)} deaths unfinished")
     churn = rate(before, sw.bytes_now(), clock.t - t0)
     churn_by_type = {k: v - by_type.get(k, 0) for k, v in sorted(sw.net.by_type.items())}
+    after_churn = summaries_checked(sw) if scope else {}
+    if after_churn:
+        say(f"n={n}: summaries after the churn {after_churn}")
     await sw.close()
     row = {
         "n": n,
+        **kind,
         **steady,
         "refresh_s": round(refresh_s, 1),
+        "table_size_mean": round(table_size, 1),
+        **summaries,
         "steady_bytes_by_message": {k: v for k, v in sorted(by_type.items())},
         "churn": {
             **churn,
@@ -223,6 +314,7 @@ async def measure(
             "join_visible_s_max": max(join_s) if join_s else None,
             "death_gone_s_median": statistics.median(death_s) if death_s else None,
             "death_gone_s_max": max(death_s) if death_s else None,
+            **after_churn,
         },
     }
     say(
@@ -398,11 +490,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["simulated"]
-    ns = [r["n"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(ns, [r["kbit_per_node_per_s"] for r in rows], "o-", label="steady")
-    ax1.plot(ns, [r["churn"]["kbit_per_node_per_s"] for r in rows], "s-", label="1 %/min churn")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    kinds = sorted({r.get("tables", "whole swarm") for r in result["simulated"]})
+    for kind in kinds:
+        rows = [r for r in result["simulated"] if r.get("tables", "whole swarm") == kind]
+        ns = [r["n"] for r in rows]
+        ax1.plot(ns, [r["kbit_per_node_per_s"] for r in rows], "o-", label=f"{kind}: steady")
+        churn = [r["churn"]["kbit_per_node_per_s"] for r in rows]
+        ax1.plot(ns, churn, "s--", label=f"{kind}: 1 %/min churn")
+        join = [r["churn"]["join_visible_s_max"] for r in rows]
+        ax2.plot(ns, join, "o-", label=f"{kind}: join seen (max)")
+        death = [r["churn"]["death_gone_s_max"] for r in rows]
+        ax2.plot(ns, death, "s--", label=f"{kind}: death gone (max)")
     real = [r for r in result.get("real", []) if "bytes_per_node_per_s" in r]
     for extra, style, label in (
         (result.get("before", []), "x:", "before: whole tables"),
@@ -416,8 +515,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_title("membership traffic per node")
     ax1.legend()
     ttl = result["config"]["ttl_s"]
-    ax2.plot(ns, [r["churn"]["join_visible_s_max"] for r in rows], "o-", label="join seen (max)")
-    ax2.plot(ns, [r["churn"]["death_gone_s_max"] for r in rows], "s-", label="death gone (max)")
     ax2.axhline(JOIN_TARGET_S, color="C0", ls=":", label="join target")
     ax2.axhline(ttl + DEATH_MARGIN_S, color="C1", ls=":", label="death target")
     ax2.set(xscale="log", xlabel="nodes", ylabel="seconds")
@@ -430,6 +527,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100,1000,3000")
+    ap.add_argument("--tables", choices=("swarm", "neighbourhood"), default="neighbourhood")
+    ap.add_argument(
+        "--stage-size", type=int, default=125, help="replicas per stage (neighbourhood)"
+    )
     ap.add_argument("--steady-s", type=float, default=30.0)
     ap.add_argument("--churn-s", type=float, default=60.0)
     ap.add_argument("--latency-ms", type=float, default=20.0)
@@ -441,13 +542,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.steady_s, args.churn_s = "20,60", 120.0, 30.0
+    stage_size = args.stage_size if args.tables == "neighbourhood" else 0
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         started = time.monotonic()
         rows.append(
-            asyncio.run(measure(n, args.steady_s, args.churn_s, args.seed, args.latency_ms / 1e3))
+            asyncio.run(
+                measure(
+                    n,
+                    args.steady_s,
+                    args.churn_s,
+                    args.seed,
+                    args.latency_ms / 1e3,
+                    stage_size=stage_size,
+                )
+            )
         )
         rows[-1]["wall_s"] = round(time.monotonic() - started, 1)
+    earlier: dict[str, Any] = {}
+    if args.out.exists() and not args.quick:  # keep the other sizes' and kinds' rows
+        earlier = json.loads(args.out.read_text())
+        ours = {(r["n"], r["tables"]) for r in rows}
+        kept = earlier.get("simulated", [])
+        for row in kept:  # rows from before neighbourhoods were measured: whole tables
+            row.setdefault("tables", "whole swarm")
+            row.setdefault("stages", STAGES)
+        rows = [r for r in kept if (r["n"], r["tables"]) not in ours] + rows
+        rows.sort(key=lambda r: (r["tables"], r["n"]))
     config = MembershipConfig()
     result = {
         "config": {
@@ -455,16 +576,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ttl_s": config.ttl_s,
             "fanout": config.fanout,
             "budget_bytes_per_s": config.budget_bytes_per_s,
-            "stages": STAGES,
+            "stages": "8 (whole swarm); n / stage_size, at least 8 (neighbourhood)",
+            "stage_size": args.stage_size,
             "latency_ms": args.latency_ms,
             "http_overhead_bytes": HTTP_OVERHEAD_BYTES,
             "steady_s": args.steady_s,
             "churn_s": args.churn_s,
         },
+        "before": earlier.get("before", []),
         "simulated": rows,
         "real": [real_against_sim(args.real, args.steady_s, args.events, args.latency_ms)]
         if args.real
-        else [],
+        else earlier.get("real", []),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -24,6 +24,10 @@ def test_the_simulated_swarm_costs_the_same_per_node_and_news_is_fast(tmp_path: 
     assert large["bytes_per_node_per_s"] * 8 < membership.TARGET_BITS_PER_S
     ttl = result["config"]["ttl_s"]
     for row in (small, large):
+        # neighbourhood tables (3 of 8 stages) and a right summary of each of the others
+        assert row["tables"] == "neighbourhood" and row["table_size_mean"] < 0.5 * row["n"]
+        assert row["summaries_missing"] == 0 == row["summaries_miscounted"]
+        assert row["summaries_checked"] > 0
         churn = row["churn"]
         assert churn["events"] >= 1
         assert churn["join_visible_s_max"] < membership.JOIN_TARGET_S
