@@ -129,17 +129,9 @@ class SimSwarm:
         return {a: (net.sent[a] + net.received[a], net.overhead[a]) for a in self.nodes}
 
 
-def formed(
-    n: int,
-    config: MembershipConfig,
-    seed: int,
-    latency_s: float,
-    idle: bool = False,
-    stages: int = STAGES,
-    scope: Neighbourhood | None = None,
-) -> SimSwarm:
-    """``n`` nodes whose tables already hold everyone they hold (what joining ends in)."""
-    sw = SimSwarm(config, seed, latency_s, idle, stages, scope)
+def formed(sw: SimSwarm, n: int) -> SimSwarm:
+    """``sw`` with ``n`` nodes whose tables already hold everyone they hold (what joining
+    ends in)."""
     nodes = [sw.new() for _ in range(n)]
     by_stage: dict[int, list[PeerRecord]] = {}
     for node in nodes:
@@ -213,7 +205,7 @@ async def measure(
     config = MembershipConfig(max_peers=max(16384, 2 * n))
     stages = max(STAGES, n // stage_size) if stage_size else STAGES
     scope = Neighbourhood(stages) if stage_size else None
-    sw = formed(n, config, seed, latency_s, idle, stages, scope)
+    sw = formed(SimSwarm(config, seed, latency_s, idle, stages, scope), n)
     kind = {"tables": "neighbourhood" if scope else "whole swarm", "stages": stages}
     for svc in list(sw.nodes.values()):
         sw.start(svc)

@@ -301,10 +301,18 @@ class MembershipService:
         """Whether a member of ``stage`` holds the stages ``news`` is about."""
         return news.stages is None or any(self.table.covers(s, stage) for s in news.stages)
 
-    def _piggyback(self, stage: int = -1) -> tuple[list[PeerRecord], list[Obituary]]:
+    def _piggyback(
+        self, stage: int = -1, heard: Ping | None = None
+    ) -> tuple[list[PeerRecord], list[Obituary]]:
         """News for one more message, to a member of ``stage``: up to ``MAX_NEWS`` items it
-        wants, the least spread first."""
-        wanted = [n for n in self._news.values() if self._wants(n, stage)]
+        wants, the least spread first, less what it has just told us (``heard``: a reply
+        spent on news its asker brought would be spent for nothing)."""
+        known = {} if heard is None else _brought(heard)
+        wanted = [
+            n
+            for n in self._news.values()
+            if self._wants(n, stage) and known.get(n.item.peer_id) != _news_key(n.item)
+        ]
         items = sorted(wanted, key=lambda n: -n.piggy_left)[:MAX_NEWS]
         for news in items:
             news.piggy_left -= 1
@@ -727,19 +735,25 @@ class MembershipService:
         records = self.table.records()
         held = {p.address for p in records} | {self.self_record().address}
         due = self._contacts_due(self.clock.now(), held)
-        if address in self._answered_far and not due:
-            # it holds another neighbourhood than ours: one of ours has our table (and
-            # spreads our join); it may have named some of them (its lobby)
-            ours = [r.address for r in records if not r.relays and r.address]
-            due = {self.rng.choice(ours)} if ours else set()
+        if address in self._answered_far:
+            # it holds another neighbourhood than ours: one of ours has our table and
+            # spreads our join (it may have named some, from its lobby), and one more
+            # is introduced to us, to spread it too if the first is gone
+            ours = sorted({r.address for r in records if not r.relays and r.address} - due)
+            picked = self.rng.sample(ours, min(1 if due else 2, len(ours)))
+            if not due and picked:
+                due = {picked.pop()}
+            for other in picked:
+                self._spawn(self._greet(other, table=False))
         for contact in sorted(due):
             self._spawn(self._greet(contact))
         return True
 
-    async def _greet(self, address: str) -> None:
-        """Greet a stage's contact; if it does not answer, greet another member (or the
+    async def _greet(self, address: str, table: bool = True) -> None:
+        """Greet a member of our neighbourhood for its table (or, without ``table``, just
+        introduce ourselves); if it does not answer, greet another member (or the
         bootstrap) for fresh summaries, which name other contacts."""
-        if await self.contact(address, share=False):
+        if await self.contact(address, introduce=not table, share=False):
             return
         others = [r.address for r in self.table.records() if not r.relays] or self.bootstrap
         if others:
@@ -838,7 +852,7 @@ class MembershipService:
             # its reply brings its own record (a plain ping: no suspicion if it fails)
             self._spawn(self._ask_back(held))
         stage = -1 if held is None else held.stage
-        news, deaths = ([], []) if ping.pull else self._piggyback(stage)
+        news, deaths = ([], []) if ping.pull else self._piggyback(stage, heard=ping)
         sender = self.current() if ping.ask_record else None
         return Pong(sender=sender, news=news, deaths=deaths)
 
@@ -897,6 +911,20 @@ class _News:
     stages: tuple[int, ...] | None = None
     """The stages it is about: only members holding one of them take it (None: all)."""
     pushed: bool = False
+
+
+def _news_key(item: PeerRecord | Obituary) -> tuple[bool, int, int]:
+    """Which news an item is: of a death or a record, and how new."""
+    if isinstance(item, Obituary):
+        return True, item.incarnation, 0
+    return False, item.incarnation, item.version
+
+
+def _brought(ping: Ping) -> dict[str, tuple[bool, int, int]]:
+    """The news a ping brings, by the peer it is about."""
+    brought = {r.peer_id: _news_key(r) for r in ping.news}
+    brought.update({d.peer_id: _news_key(d) for d in ping.deaths})
+    return brought
 
 
 def _split(items: list[_News]) -> tuple[list[PeerRecord], list[Obituary]]:
