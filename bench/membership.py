@@ -576,6 +576,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "churn_s": args.churn_s,
         },
         "before": earlier.get("before", []),
+        "notes": earlier.get("notes", {}),
         "simulated": rows,
         "real": [real_against_sim(args.real, args.steady_s, args.events, args.latency_ms)]
         if args.real
