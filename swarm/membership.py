@@ -45,8 +45,9 @@ Protocol"), ``docs/algorithms.md`` section 11:
   stage it is about; a probe carries ``SUMMARIES_PER_MESSAGE`` ``StageSummary`` s of stages
   the receiver does not hold (a welcome all of them), and each node keeps the freshest of
   each. A newcomer whose bootstrap holds another neighbourhood greets a member of its own
-  (a summary's contact, or a greeter its bootstrap kept in its lobby), who spreads the
-  join; a node that moves tells its old neighbourhood itself. ``docs/algorithms.md``
+  (a summary's contact, or a greeter its bootstrap kept in its lobby; failing both, the
+  contact of the nearest stage it knows, nearer each time), who spreads the join; a node
+  that moves tells its old neighbourhood itself. ``docs/algorithms.md``
   section 11.
 
 Departure from SWIM: there is no separate "suspect" state spread to others; the prober that
@@ -743,11 +744,39 @@ class MembershipService:
             picked = self.rng.sample(ours, min(1 if due else 2, len(ours)))
             if not due and picked:
                 due = {picked.pop()}
+            elif not due:  # it knows no contact of ours: greet the nearest stage it knows,
+                due = self._nearest_contact(held)  # whose summaries of ours are fresher
             for other in picked:
                 self._spawn(self._greet(other, table=False))
         for contact in sorted(due):
             self._spawn(self._greet(contact))
         return True
+
+    def _nearest_contact(self, held: set[str]) -> set[str]:
+        """The contact of the stage nearest ours on the ring that we have a summary of (and
+        have not greeted lately): summaries travel stage to stage, so its holders know our
+        stages better than a far node does."""
+        scope = self.table.scope
+        if scope is None or self.table.stage < 0:
+            return set()
+        now = self.clock.now()
+
+        def distance(stage: int) -> int:
+            d = abs(stage - self.table.stage) % scope.num_stages
+            return min(d, scope.num_stages - d)
+
+        known = [
+            (distance(stage), summary.contact)
+            for stage, (summary, _) in self._far.items()
+            if summary.contact
+            and summary.contact not in held
+            and summary.contact not in self._greeted_contacts
+        ]
+        if not known:
+            return set()
+        address = min(known)[1]
+        self._greeted_contacts[address] = now
+        return {address}
 
     async def _greet(self, address: str, table: bool = True) -> None:
         """Greet a member of our neighbourhood for its table (or, without ``table``, just
