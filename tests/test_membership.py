@@ -436,3 +436,29 @@ async def test_a_node_does_not_greet_a_far_bootstrap_again_once_it_answered() ->
     await sw.run_for(20.0)
     assert sw.net.by_type["hello"] == hellos  # every far node's bootstrap (node 0) answered
     await sw.close()
+
+
+async def test_a_newcomer_its_bootstrap_knows_no_contact_for_walks_to_its_stages() -> None:
+    # with many stages a far bootstrap may have no summary yet of the newcomer's stages:
+    # the newcomer greets the nearest stage's contact it knows, and so on towards its own
+    sixteen = Neighbourhood(16)
+    sw = Swarm()
+    nodes = [sw.add(i, stage=i % 16, scope=sixteen) for i in range(48)]
+    for node in nodes[1:]:
+        node.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(60.0)
+    boot = nodes[0]  # stage 0
+    for stage in (7, 8, 9):  # it has heard nothing of stage 8's neighbourhood
+        boot._far.pop(stage, None)
+    boot._lobby.clear()
+    boot._take_summaries = lambda summaries: None  # type: ignore[method-assign]  # nor will
+    newcomer = sw.add(100, stage=8, scope=sixteen)
+    newcomer.add_bootstrap(["10.0.0.0:7070"])
+    start = sw.clock.t
+    neighbours = [n for n in nodes if sixteen.covers(8, n.self_record().stage)]
+    while not all("p100" in n.table for n in neighbours):
+        await sw.run_for(0.1)
+        assert sw.clock.t - start < 5.0, [
+            n.table.self_id for n in neighbours if "p100" not in n.table
+        ]
+    await sw.close()
