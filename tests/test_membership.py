@@ -233,9 +233,9 @@ async def test_a_buried_peer_is_greeted_with_backoff_then_forgotten() -> None:
     tries: list[float] = []
     contact = a.contact
 
-    async def counting(address: str, introduce: bool = False) -> bool:
+    async def counting(address: str, introduce: bool = False, share: bool = True) -> bool:
         tries.append(sw.clock.t)
-        return await contact(address, introduce)
+        return await contact(address, introduce, share)
 
     a.contact = counting  # type: ignore[method-assign]
     sw.kill(b)  # b dies for good
