@@ -440,12 +440,14 @@ class MembershipService:
         if own.stage == stage and not own.leaving:
             records.append(own)
         dialable = [r for r in records if r.ready and not r.relays and r.address]
+
         # a contact that spoke to us lately (or we ourselves): the least likely to be dead
+        def spoke_lately(peer_id: str) -> bool:  # 0 s ago counts too
+            silent_s = self.table.silent_s(peer_id, now)
+            return silent_s is not None and silent_s < self.config.ttl_s
+
         lately = [
-            r.address
-            for r in dialable
-            if r.peer_id == own.peer_id
-            or (self.table.silent_s(r.peer_id, now) or math.inf) < self.config.ttl_s
+            r.address for r in dialable if r.peer_id == own.peer_id or spoke_lately(r.peer_id)
         ]
         contacts = lately or [r.address for r in dialable]
         return StageSummary(
