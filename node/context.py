@@ -7,7 +7,7 @@ that need them, so that no part ever holds the daemon itself:
   ready, leaving or draining, the address it announces, and its stage runner. Only the
   daemon writes it; everyone else reads it.
 - ``NodeContext``: what does not change: the resolved config, the peer id, the clock and
-  random source, the peer table and router, the transport that requests to peers go
+  random source, the peer table, the view of every stage, the router, the transport that requests to peers go
   through (it says hello to a peer that does not know us yet), the shared counters, and
   ``spawn``, which runs a task the node owns (drained, then cancelled, at shutdown).
 
@@ -26,7 +26,8 @@ from typing import Any
 
 from node.config import Config
 from node.stage.runner import StageRunner
-from swarm.peers import PeerTable
+from protocol.messages import PeerRecord, StageSummary
+from swarm.peers import PeerTable, stand_ins
 from swarm.routing import Router
 from swarm.seams import Clock, Refused, Transport
 
@@ -79,6 +80,12 @@ class NodeContext:
     clock: Clock
     rng: random.Random
     table: PeerTable
+    """Records of the peers this node talks to (with neighbourhood tables: its own stage
+    and the stages next to it)."""
+    stages: Callable[[], dict[int, StageSummary]]
+    """Every stage this node knows of (``MembershipService.view``): counted from the table
+    where it holds the stage, else the freshest summary peers relayed. Read this, not the
+    table, for anything about the whole pipeline."""
     router: Router
     transport: Transport
     """Requests to peers: introduces this node to a peer that does not know it yet."""
@@ -90,3 +97,22 @@ class NodeContext:
     @property
     def stage(self) -> int:
         return self.state.stage
+
+    def everyone(self) -> dict[int, list[PeerRecord]]:
+        """The swarm as a planner reads it, by stage: the table's live (not leaving) records
+        of each stage it has records of, stand-ins (``swarm.peers.stand_ins``) for the
+        replicas of a stage known only by a summary. Present, if empty, are the stages the
+        table holds once this node has a stage (every stage with whole tables); absent, a
+        stage it knows nothing of. This node itself is not in it."""
+        table, own = self.table, self.stage
+        settled = table.scope is None or own >= 0  # a newcomer's table holds whatever it met
+        by_stage: dict[int, list[PeerRecord]] = {
+            s: [] for s in range(self.num_stages) if settled and table.covers(s)
+        }
+        for r in table.records():
+            if not r.leaving and table.covers(r.stage) and 0 <= r.stage < self.num_stages:
+                by_stage.setdefault(r.stage, []).append(r)
+        for stage, summary in self.stages().items():
+            if not by_stage.get(stage) and stage != own:
+                by_stage[stage] = stand_ins(summary)
+        return by_stage

@@ -55,7 +55,7 @@ from protocol.frames import Limits
 from protocol.messages import PeerRecord, StageState
 from swarm.discovery import ZeroconfDiscovery, announce_addresses
 from swarm.membership import IntroducingTransport, MembershipService
-from swarm.peers import PeerTable
+from swarm.peers import Neighbourhood, PeerTable
 from swarm.routing import Router
 from swarm.seams import MonotonicClock
 
@@ -85,7 +85,13 @@ class Node:
         limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
         self.http = HttpTransport(limits, self.auth)
         link = shaped(self.http, config.net)  # the testbeds' emulated latency and uplink
-        self.table = PeerTable(self.peer_id, config.membership.ttl_s, config.membership.max_peers)
+        members = config.membership
+        # CheckFree+'s swapped routes hop two stages at a time (1 -> 3, N-2 -> N, N-1 -> head)
+        radius = 2 if config.recovery.method == "checkfree+" else 1
+        scope = (
+            Neighbourhood(self.num_stages, radius) if members.tables == "neighbourhood" else None
+        )
+        self.table = PeerTable(self.peer_id, members.ttl_s, members.max_peers, scope=scope)
         self.router = Router(self.rng)
         self.router.samples = float(config.data.batch_size)
         self.membership = MembershipService(
@@ -114,6 +120,7 @@ class Node:
             clock=self.clock,
             rng=self.rng,
             table=self.table,
+            stages=self.membership.view,
             router=self.router,
             transport=IntroducingTransport(link, self.membership.introduce, self.clock),
             counters=self.counters,
@@ -202,7 +209,8 @@ class Node:
     def status(self) -> dict[str, Any]:
         """This node's view of the swarm, for ``node status`` and the demo."""
         now = self.clock.now()
-        peers: dict[str, list[dict[str, Any]]] = {str(s): [] for s in range(self.num_stages)}
+        held = [s for s in range(self.num_stages) if self.table.covers(s)]
+        peers: dict[str, list[dict[str, Any]]] = {str(s): [] for s in held}
         for p in sorted(self.table.records(), key=lambda p: (p.stage, p.peer_id)):
             peers.setdefault(str(p.stage), []).append(
                 {
@@ -244,6 +252,17 @@ class Node:
             "lr_scale": r.current_lr_scale() if r else 1.0,
             "counters": self._counters_with_table(),
             "peers": peers,
+            "stages": {  # every stage known: counted from the table, or a peer's summary
+                str(s.stage): {
+                    "replicas": s.replicas,
+                    "ready": s.ready,
+                    "throughput": round(s.throughput, 2),
+                    "step": s.step,
+                    "age_s": round(s.age_s, 1),
+                    "held": str(s.stage) in peers,
+                }
+                for s in self.membership.view().values()
+            },
         }
         if self.sync is not None:
             out["sync"] = self.sync.status()
@@ -406,6 +425,8 @@ class Node:
                 self.balancer.estimate(stage) / self.balancer.estimate(state.stage)
             )
         state.stage, state.stage_since = stage, time.monotonic()
+        # a table of neighbourhoods now holds other stages: meet their replicas first
+        await self.membership.arrive(2 * self.config.membership.ttl_s)
         runner = StageRunner(self.config, stage)
         if stage > 0:  # a rate from the first heartbeat, sent while the module builds:
             runner.seed_rate(known_rate or self.balancer.estimate(stage))  # served, else bench
@@ -417,7 +438,8 @@ class Node:
             head = HeadRole(self.ctx, runner, self.hops)
             await head.prepare()
             self.role = head
-        if not await self._copy_state(runner) and any(p.step > 0 for p in self.table.records()):
+        trained = any(s.step > 0 for s in self.membership.view().values())
+        if not await self._copy_state(runner) and trained:
             # The swarm has trained and this stage has no replica left: it was lost.
             await self.recovery.rebuild(stage)
         self.sync = StageSync(self.ctx, runner, self.guard)

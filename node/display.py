@@ -94,6 +94,13 @@ def format_status(st: dict[str, Any]) -> str:
                 f"      {p['peer_id']}  {p['address']:<21} step {p['step']:<6} "
                 f"{p['throughput']:>7.1f}/s  queue {p['queue']}  seen {p['age_s']:.1f}s ago"
             )
+    far = {k: v for k, v in st.get("stages", {}).items() if not v["held"]}
+    for stage, summary in sorted(far.items(), key=lambda kv: int(kv[0])):
+        lines.append(
+            f"    stage {stage}: {summary['replicas']} replica(s), {summary['ready']} ready, "
+            f"{summary['throughput']:.1f} samples/s in all (a peer's summary, "
+            f"{summary['age_s']:.0f}s old)" + ("" if summary["ready"] else "  <- none")
+        )
     return "\n".join(lines)
 
 

@@ -99,12 +99,25 @@ def join_stage(
     return rng.choice([s for s, t in totals.items() if t <= low * (1 + EPS)])
 
 
-def plan_move(replicas: Sequence[Replica], num_stages: int, quality: float = 0.75) -> Move | None:
+def plan_move(
+    replicas: Sequence[Replica], num_stages: int, quality: float = 0.75, by_stage: bool = False
+) -> Move | None:
     """The single best move between block stages, or None when no move clears the margin.
 
     Candidates are movable replicas of block stages with at least two replicas (a move never
     empties a stage); each is simulated leaving for the weakest block stage. With an empty
     block stage there is no plan: refilling it is the recovery service's job.
+
+    ``by_stage``: the rule for nodes that know most stages only by their totals
+    (neighbourhood tables, where far stages are ``swarm.peers.stand_ins``). Every node
+    still has to name the same single move, but each knows individual rates only near its
+    own stage, so the best replica of the whole swarm is something no node can see. So the
+    source stage is chosen first, from what every node knows alike: each block stage's
+    total and replica count, a typical replica (the stage's mean rate) simulated leaving
+    it; then the best replica of that stage, which its own replicas all hold records of.
+    This departs from Petals' rule (the best replica anywhere) only in which stage gives
+    up a replica; nodes that disagree on a far stage's totals (summaries are seconds to
+    minutes old) can still pick two sources at once, and the cool-down bounds that.
     """
     blocks = range(1, num_stages)
     block_replicas = [r for r in replicas if r.stage in blocks]
@@ -115,6 +128,9 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, quality: float = 0.7
     totals = stage_totals(filled, blocks)
     current_min = min(totals.values())
     target = min(blocks, key=lambda s: (totals[s], s))
+    if by_stage:
+        source = _source_stage(totals, counts, target)
+        filled = [r for r in filled if r.stage == source]
     best: Move | None = None
     for r in filled:
         if not r.movable or r.stage == target or counts[r.stage] < 2:
@@ -128,3 +144,20 @@ def plan_move(replicas: Sequence[Replica], num_stages: int, quality: float = 0.7
     if best is None or best.quality >= quality - EPS:
         return None
     return best
+
+
+def _source_stage(totals: dict[int, float], counts: dict[int, int], target: int) -> int | None:
+    """The block stage whose typical replica moving to ``target`` raises the bottleneck
+    most (ties to the lowest stage); None if no stage can give one up."""
+    best: tuple[float, int] | None = None
+    for s, total in totals.items():
+        if s == target or counts[s] < 2:
+            continue
+        typical = total / counts[s]
+        after = dict(totals)
+        after[s] -= typical
+        after[target] += typical
+        key = (min(after.values()), -s)
+        if best is None or key > best:
+            best = key
+    return None if best is None else -best[1]

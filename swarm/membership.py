@@ -71,7 +71,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from protocol.messages import (
     Hello,
@@ -133,6 +133,9 @@ FIGURES = frozenset(
 """Record fields that change all the time: republished every ``refresh_s``, not at once."""
 
 
+Tables = Literal["neighbourhood", "swarm"]
+
+
 @dataclass(frozen=True)
 class MembershipConfig:
     heartbeat_s: float = 1.0
@@ -152,6 +155,10 @@ class MembershipConfig:
     throughput...) may take, in and out together: it sets ``refresh_s`` from the swarm's size."""
     max_peers: int = 16384
     """Most peers a table holds: news of more is ignored until some are buried or leave."""
+    tables: Tables = "neighbourhood"
+    """What a node's table holds: "neighbourhood" (records of its own stage and the stages
+    next to it, summaries of the rest; with three stages or fewer that is everyone) or
+    "swarm" (everyone's records, whatever the size)."""
 
 
 class MembershipService:
@@ -193,6 +200,7 @@ class MembershipService:
         self._news: dict[str, _News] = {}  # peer id -> the latest news about it to pass on
         self._far: dict[int, tuple[StageSummary, float]] = {}  # stage not held -> (summary, as of)
         self._summary_turn = 0
+        self._centred_s = -math.inf  # when our table was last centred on a stage
         self._greeted_contacts: dict[str, float] = {}  # contact address -> when greeted
         self._answered_far: set[str] = set()  # addresses that welcomed us from outside our scope
         self._lobby: dict[int, list[tuple[PeerRecord, float]]] = {}  # far greeters per stage
@@ -259,6 +267,7 @@ class MembershipService:
             if self.table.scope is not None and self.table.stage >= 0:
                 left_behind = self.table.records()
             self.table.set_stage(record.stage)
+            self._centred_s = now
         self._tell(self._published)
         if left_behind:  # our old neighbourhood holds us no longer: tell it so
             msg = self._ping_msg([self._published], [], ask_record=False)
@@ -431,17 +440,42 @@ class MembershipService:
             return {r.stage for r in (*self.table.records(), self.self_record()) if r.stage >= 0}
         return set(self._far) | {s for s in range(scope.num_stages) if self.table.covers(s)}
 
-    def _summary(self, stage: int, now: float) -> StageSummary | None:
-        if not self.table.covers(stage):
-            far = self._far.get(stage)
-            return None if far is None else replace(far[0], age_s=round(now - far[1], 3))
+    def view(self) -> dict[int, StageSummary]:
+        """Every stage this node knows of, as the daemon's planners read it: counted from the
+        table (and our own record) for the stages it holds, the freshest summary relayed by
+        others for the rest; a stage it knows nothing of is absent. Picks no contact (that
+        is for greeting) and so draws nothing from ``rng``."""
+        now = self.clock.now()
+        known = (self._summary(stage, now, pick=False) for stage in sorted(self._stages()))
+        return {summary.stage: summary for summary in known if summary is not None}
+
+    def _summary(self, stage: int, now: float, pick: bool = True) -> StageSummary | None:
+        """Counted from the table for a stage we hold; relayed for the rest, and for a
+        held stage we have not met yet (just after a join or a move)."""
+        far = self._far.get(stage)
         own = self.self_record()
-        records = self.table.replicas(stage, ready_only=False)
+        records = self.table.replicas(stage, ready_only=False) if self.table.covers(stage) else []
         if own.stage == stage and not own.leaving:
             records.append(own)
+        if not records and far is not None:
+            return replace(far[0], age_s=round(now - far[1], 3))
+        if not self.table.covers(stage):
+            return None
+        summary = StageSummary(
+            stage=stage,
+            replicas=len(records),
+            ready=sum(r.ready for r in records),
+            throughput=sum(r.throughput for r in records if r.ready),
+            step=max((r.step for r in records), default=0),
+            age_s=0.0,
+        )
+        return replace(summary, contact=self._contact(records, own, now)) if pick else summary
+
+    def _contact(self, records: list[PeerRecord], own: PeerRecord, now: float) -> str:
+        """A replica of ``records`` for a newcomer to greet: dialable and ready, and one
+        that spoke to us lately (or we ourselves) if any, the least likely to be dead."""
         dialable = [r for r in records if r.ready and not r.relays and r.address]
 
-        # a contact that spoke to us lately (or we ourselves): the least likely to be dead
         def spoke_lately(peer_id: str) -> bool:  # 0 s ago counts too
             silent_s = self.table.silent_s(peer_id, now)
             return silent_s is not None and silent_s < self.config.ttl_s
@@ -450,15 +484,7 @@ class MembershipService:
             r.address for r in dialable if r.peer_id == own.peer_id or spoke_lately(r.peer_id)
         ]
         contacts = lately or [r.address for r in dialable]
-        return StageSummary(
-            stage=stage,
-            replicas=len(records),
-            ready=sum(r.ready for r in records),
-            throughput=sum(r.throughput for r in records if r.ready),
-            step=max((r.step for r in records), default=0),
-            age_s=0.0,
-            contact=self.rng.choice(contacts) if contacts else "",
-        )
+        return self.rng.choice(contacts) if contacts else ""
 
     def _summaries_for(self, stage: int, everything: bool = False) -> list[StageSummary]:
         """Summaries for a node of ``stage``: in a welcome (``everything``), of every stage
@@ -516,6 +542,48 @@ class MembershipService:
                 due.add(address)
         return due
 
+    def _forget_met(self, now: float) -> None:
+        """Drop relayed summaries of the stages we hold once we hold records of them, or
+        once we have held them for ``2 ttl_s`` (their replicas are gone: our table says so)."""
+        if self.table.scope is None or self.table.stage < 0:
+            return
+        present = {r.stage for r in self.table.records()}
+        settled = now - self._centred_s > 2 * self.config.ttl_s
+        for stage in [s for s in self._far if self.table.covers(s)]:
+            if stage in present or settled:
+                del self._far[stage]
+
+    def unmet(self) -> list[int]:
+        """Stages we hold but have no record of, though a summary says they have replicas
+        (just after a join or a move: their records come from their contacts)."""
+        if self.table.scope is None or self.table.stage < 0:
+            return []
+        present = {r.stage for r in self.table.records() if not r.leaving}
+        return sorted(
+            stage
+            for stage, (summary, _) in self._far.items()
+            if self.table.covers(stage) and stage not in present and summary.replicas > 0
+        )
+
+    async def arrive(self, timeout_s: float) -> bool:
+        """Publish the stage just taken and, with neighbourhood tables, greet the contacts of
+        the stages now held until the table has a record of each that has replicas (a mover
+        needs its new neighbours' records before it copies or rebuilds weights). False if
+        some are still unmet after ``timeout_s`` (their contacts are gone: the next rounds go
+        on asking)."""
+        self.own()  # re-centres the table on our new stage
+        deadline = self.clock.now() + timeout_s
+        while unmet := self.unmet():
+            now = self.clock.now()
+            if now >= deadline:
+                log.warning("no record yet of held stage(s) %s after %.0fs", unmet, timeout_s)
+                return False
+            held = {p.address for p in self.table.records()} | {self.self_record().address}
+            due = self._contacts_due(now, held) or self._nearest_contact(held)
+            await asyncio.gather(*(self._greet(a) for a in sorted(due)))
+            await self.clock.sleep(0.2)
+        return True
+
     # -- rounds ----------------------------------------------------------------------------
 
     def add_bootstrap(self, addresses: list[str]) -> None:
@@ -543,6 +611,7 @@ class MembershipService:
         greet bootstrap, sighted and due buried addresses."""
         now = self.clock.now()
         self.table.forget_graves(now)
+        self._forget_met(now)
         self._refresh(now)
         target = self._next_target()
         missing = [p for p in self._missing if p in self.table]

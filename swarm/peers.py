@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from protocol.messages import PeerRecord
+from protocol.messages import PeerRecord, StageSummary
 
 NEW = "new"
 """``observe`` result: a peer we did not hold."""
@@ -231,6 +231,27 @@ class PeerTable:
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._entries
+
+
+def stand_ins(summary: StageSummary) -> list[PeerRecord]:
+    """Records standing in for the replicas of a stage known only by its summary, for the
+    planners that count replicas and add rates (balancing, refilling): ``ready`` ready ones
+    sharing its throughput equally, the rest joining. They are not movable and have no
+    address; their ids (``~stage.i``) are no real peer's, whose ids are hex or base32."""
+    ready = summary.ready
+    rate = summary.throughput / ready if ready else 0.0
+    return [
+        PeerRecord(
+            peer_id=f"~{summary.stage}.{i}",
+            address="",
+            stage=summary.stage,
+            step=summary.step,
+            throughput=rate if i < ready else 0.0,
+            ready=i < ready,
+            movable=False,
+        )
+        for i in range(summary.replicas)
+    ]
 
 
 def _key(record: PeerRecord) -> tuple[int, int]:

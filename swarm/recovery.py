@@ -24,7 +24,7 @@ daemon's job (``node.services.recovery``).
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -140,15 +140,22 @@ def choose_mover(
     empty_stage: int,
     self_record: PeerRecord,
     live: Mapping[int, Sequence[PeerRecord]],
+    donors: Container[int] | None = None,
 ) -> bool:
     """Should this node leave its stage to refill ``empty_stage``?
 
     Only the block stage with the most replicas gives one up, never its last; within it the
     replica with the lowest peer id goes, so every node reaches the same answer from the
     same table and only one moves (no herd). Head nodes never move: the head stage is
-    refilled by joining head nodes.
+    refilled by joining head nodes. ``donors``: the stages that may give one (None: all);
+    with neighbourhood tables, the stages that hold ``empty_stage`` and so see it empty in
+    their own tables rather than in a summary any member could make up.
     """
-    counts = {s: len(rs) for s, rs in live.items() if s not in (empty_stage, 0)}
+    counts = {
+        s: len(rs)
+        for s, rs in live.items()
+        if s not in (empty_stage, 0) and (donors is None or s in donors)
+    }
     if not counts:
         return False
     mine = self_record.stage

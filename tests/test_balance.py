@@ -171,3 +171,53 @@ def test_sequential_moves_converge_on_a_slowed_stage() -> None:
     counts = Counter(r.stage for r in reps if r.stage > 0)
     assert counts[2] > counts[1] and counts[2] > counts[3]
     assert min(counts.values()) >= 1
+
+
+# ---- neighbourhood tables: far stages known by totals only ------------------------------
+
+
+def test_with_far_stages_known_by_totals_one_node_moves_and_by_stage_is_the_rule() -> None:
+    # head 0 and block stages 1..5 on a ring of 6; a node holds records of its own stage and
+    # the two next to it, and stand-ins (swarm.peers.stand_ins) for the rest. Totals:
+    # 12 / 3 / 10 / 12 / 18, weakest stage 2. A typical replica leaving stage 1 (6/s) gives
+    # min 6, stage 3 (5/s) 5, stage 4 (6/s) 6, stage 5 (9/s) 9: stage 5 gives one up, and its
+    # best replica (9/s: 18 -> 9, 3 -> 12) is s5r0 (ties to the lowest id). Quality 3 / 9.
+    from protocol.messages import StageSummary
+    from swarm.peers import Neighbourhood, stand_ins
+
+    rates = {1: [10.0, 2.0], 2: [3.0], 3: [5.0, 5.0], 4: [6.0, 6.0], 5: [9.0, 9.0]}
+    everyone = swarm(*rates.values())
+    ring = Neighbourhood(6)
+
+    def view_of(stage: int) -> list[Replica]:
+        held = [r for r in everyone if ring.covers(stage, r.stage)]
+        for s in (s for s in range(6) if not ring.covers(stage, s)):
+            mine = [r for r in everyone if r.stage == s]
+            summary = StageSummary(s, len(mine), len(mine), sum(r.rate for r in mine), 1, 0.0)
+            held += [Replica(p.peer_id, s, p.throughput, p.movable) for p in stand_ins(summary)]
+        return held
+
+    def movers(by_stage: bool) -> list[str]:
+        named = []
+        for r in everyone:
+            plan = plan_move(view_of(r.stage), 6, by_stage=by_stage)
+            if r.movable and plan is not None and plan.peer_id == r.peer_id:
+                named.append(r.peer_id)
+        return named
+
+    assert movers(by_stage=True) == ["s5r0"]
+    assert plan_move(everyone, 6) == plan_move(view_of(5), 6, by_stage=True)  # same move
+    # the rule for whole tables, on partial views, herds: stage 1's nodes cannot see stage
+    # 5's better candidate and name their own (s1r1: 12 -> 10, 3 -> 5; quality 0.6)
+    assert movers(by_stage=False) == ["s1r1", "s5r0"]
+
+
+def test_by_stage_never_names_a_replica_of_another_stage_than_the_source() -> None:
+    # totals 20 / 2 / 20 (see the first plan test): stages 1 and 3 tie as sources; the
+    # lowest stage gives
+    move = plan_move(swarm([10.0, 10.0], [2.0], [10.0, 10.0]), 4, by_stage=True)
+    assert move == Move("s1r0", 1, 2, 2.0, 10.0)
+    # a source stage whose replicas are all pinned: no move, though another stage has one
+    reps = swarm([10.0, 10.0], [2.0], [6.0, 6.0])
+    reps = [Replica(r.peer_id, r.stage, r.rate, r.stage != 1) for r in reps]
+    assert plan_move(reps, 4, by_stage=True) is None

@@ -462,3 +462,63 @@ async def test_a_newcomer_its_bootstrap_knows_no_contact_for_walks_to_its_stages
             n.table.self_id for n in neighbours if "p100" not in n.table
         ]
     await sw.close()
+
+
+async def test_the_view_counts_held_stages_from_the_table_and_relays_the_rest() -> None:
+    sw, nodes = await neighbourhoods(24)
+    await sw.run_for(10.0)
+    node = nodes[4]  # stage 4: holds 3, 4 and 5
+    draws = node.rng.getstate()
+    view = node.view()
+    assert node.rng.getstate() == draws  # picks no contact: the planners' reads are free
+    assert sorted(view) == list(range(8))
+    for stage, summary in view.items():
+        assert (summary.replicas, summary.ready) == (3, 3), summary
+        if near(4, stage):
+            assert summary.age_s == 0.0 and summary.contact == ""  # counted, just now
+        else:
+            assert summary.age_s > 0.0  # relayed
+    sw.kill(nodes[13])  # stage 5, held: the view follows the table
+    await sw.run_for(13.0)
+    assert node.view()[5].replicas == 2
+    await sw.close()
+
+
+async def test_a_mover_meets_its_new_neighbourhood_before_it_serves() -> None:
+    # arrive(): the daemon awaits it after taking a stage, before copying the stage's weights
+    sw, nodes = await neighbourhoods(24)
+    await sw.run_for(10.0)
+    mover = nodes[12]  # stage 4 -> 0: held 3, 4, 5; will hold 7, 0, 1
+    record = replace(mover.self_record(), stage=0)
+    mover.self_record = lambda: record  # type: ignore[method-assign]
+    start = sw.clock.t
+    arrived = asyncio.ensure_future(mover.arrive(10.0))
+    while not arrived.done():
+        await sw.run_for(0.1)
+    assert arrived.result() is True
+    assert sw.clock.t - start < 2.0
+    assert {r.stage for r in mover.table.records()} == {7, 0, 1}
+    assert mover.unmet() == []
+    await sw.close()
+
+
+async def test_arrive_gives_up_when_no_member_of_its_new_stages_answers() -> None:
+    sw, nodes = await neighbourhoods(24)
+    for dead in (nodes[7], nodes[15], nodes[23]):  # all of stage 7
+        sw.kill(dead)
+    await sw.run_for(30.0)  # buried everywhere
+    mover = nodes[12]  # stage 4 -> 0, with an old summary still saying stage 7 has replicas
+    mover._far[7] = (StageSummary(7, 3, 3, 30.0, 9, 0.0, "10.0.0.7:7070"), sw.clock.t - 40.0)
+    sw.net.side[mover.self_record().address] = 1  # and cut off from everyone
+    record = replace(mover.self_record(), stage=0)
+    mover.self_record = lambda: record  # type: ignore[method-assign]
+    arrived = asyncio.ensure_future(mover.arrive(5.0))
+    while not arrived.done():
+        await sw.run_for(0.1)
+    assert arrived.result() is False
+    assert mover.unmet() == [0, 1, 7] and mover.view()[7].replicas == 3  # relayed, not met
+    sw.net.side.clear()  # the next rounds go on greeting contacts
+    await sw.run_for(11.0)  # held for 2 ttl_s: its table's word stands, stage 7 is empty
+    assert mover.unmet() == []
+    assert [mover.view()[s].replicas for s in (7, 0, 1)] == [0, 4, 3]  # 0: itself too
+    await sw.close()

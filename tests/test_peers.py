@@ -142,3 +142,17 @@ def test_a_table_holds_its_neighbourhood_and_drops_a_peer_that_moves_away() -> N
     t.set_stage(2)
     assert sorted(r.peer_id for r in t.records()) == ["near", "new"]
     assert t.covers(1) and not t.covers(5) and t.covers(5, own=4)
+
+
+def test_stand_ins_share_a_summarised_stage_s_throughput_among_its_ready_replicas() -> None:
+    from protocol.messages import StageSummary
+    from swarm.peers import stand_ins
+
+    made = stand_ins(StageSummary(3, 3, 2, 10.0, 40, 7.0, "10.0.0.1:1"))
+    assert [(r.peer_id, r.stage, r.ready, r.throughput, r.step) for r in made] == [
+        ("~3.0", 3, True, 5.0, 40),
+        ("~3.1", 3, True, 5.0, 40),
+        ("~3.2", 3, False, 0.0, 40),
+    ]
+    assert not any(r.movable or r.address for r in made)  # never moved, never dialled
+    assert stand_ins(StageSummary(2, 0, 0, 0.0, 0, 0.0)) == []

@@ -151,3 +151,20 @@ def test_head_stage_plans() -> None:
     )
     assert plan_recovery(0, 4, live, "checkfree").kind == "seed"
     assert plan_recovery(2, 4, live_table(4, {2}), "checkpoint").kind == "checkpoint"
+
+
+def test_only_the_allowed_donor_stages_give_a_replica() -> None:
+    # stage 4 is empty; stage 1 has the most replicas but does not hold stage 4 (a ring of 6
+    # with radius 1): of the stages that do (3 and 5), 5 has more, and its lowest id goes
+    live = {
+        0: [rec("h", 0)],
+        1: [rec("a", 1), rec("b", 1), rec("c", 1), rec("d", 1)],
+        2: [rec("e", 2)],
+        3: [rec("f", 3), rec("g", 3)],
+        4: [],
+        5: [rec("k", 5), rec("j", 5), rec("i", 5)],
+    }
+    everyone = [r for rs in live.values() for r in rs]
+    assert [r.peer_id for r in everyone if choose_mover(4, r, live)] == ["a"]
+    donors = {3, 5}
+    assert [r.peer_id for r in everyone if choose_mover(4, r, live, donors)] == ["i"]

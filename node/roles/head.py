@@ -159,8 +159,14 @@ class HeadRole:
 
     # ---- the loop -----------------------------------------------------------------------
 
+    def unserved(self) -> list[int]:
+        """Block stages with no ready replica that this node knows of (from its table for
+        the stages next to it, from summaries for the rest)."""
+        view = self.ctx.stages()
+        return [s for s in range(1, self.ctx.num_stages) if s not in view or not view[s].ready]
+
     def pipeline_complete(self) -> bool:
-        return all(self.ctx.table.replicas(s) for s in range(1, self.ctx.num_stages))
+        return not self.unserved()
 
     async def run(self) -> None:
         await self._wait_for_pipeline()
@@ -186,9 +192,7 @@ class HeadRole:
         announced = False
         while not self.pipeline_complete() and not self.ctx.state.leaving:
             if not announced:
-                missing = [
-                    s for s in range(1, self.ctx.num_stages) if not self.ctx.table.replicas(s)
-                ]
+                missing = self.unserved()
                 log.info("waiting for replicas of stage(s) %s before issuing microbatches", missing)
                 announced = True
             await asyncio.sleep(0.3)

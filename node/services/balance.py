@@ -10,8 +10,9 @@ Owns three things (policy in ``swarm.balance``, after Petals' block selection, a
   stage with the lowest total service rate; ``"replicas"`` keeps the simpler rule of the
   fewest replicas (a baseline for the benchmark).
 - **Rebalancing.** At randomised intervals (uniform in 0.5..1.5 x ``balance.interval_s``) a
-  movable node (``--stage auto``, not the head) runs the swarm-wide plan on its table and
-  moves if the plan names it: not before it has served its stage for ``balance.warmup_s``
+  movable node (``--stage auto``, not the head) runs the swarm-wide plan on what it knows
+  (records of the stages its table holds, stand-ins from summaries for the rest, in which
+  case the plan picks the source stage from totals first) and moves if the plan names it: not before it has served its stage for ``balance.warmup_s``
   (its rate must be a measurement), not within ``balance.cooldown_s`` of its last move, and
   not while any block replica is still joining or moving (their rates are not settled).
 
@@ -84,9 +85,8 @@ class Balancer:
     def replicas(self, *, ready_only: bool) -> list[Replica]:
         """Live peers (and this node once it serves) as policy records."""
         state = self.ctx.state
-        records = [
-            r for r in self.ctx.table.records() if not r.leaving and (r.ready or not ready_only)
-        ]
+        everyone = self.ctx.everyone().values()
+        records = [r for rs in everyone for r in rs if r.ready or not ready_only]
         if state.stage >= 0 and not state.leaving and (state.ready or not ready_only):
             records.append(self.record())
         return [Replica(r.peer_id, r.stage, r.throughput, r.movable) for r in records]
@@ -95,7 +95,8 @@ class Balancer:
         """The stage a joining ``--stage auto`` node takes under the configured policy."""
         ctx = self.ctx
         if self.config.policy == "replicas":
-            counts = ctx.table.stage_counts(ctx.num_stages)
+            everyone = ctx.everyone()
+            counts = {s: len(everyone.get(s, ())) for s in range(ctx.num_stages)}
             if counts[0]:  # as with throughput: the head stage only when it is empty
                 counts.pop(0)
             stage = choose_stage(counts, ctx.rng)
@@ -133,9 +134,14 @@ class Balancer:
             return None  # our own rate is still the estimate, not a measurement
         if self.last_move_s is not None and now - self.last_move_s < self.config.cooldown_s:
             return None
-        if any(r.stage > 0 and not r.ready and not r.leaving for r in ctx.table.records()):
+        if any(not r.ready for s, rs in ctx.everyone().items() if s > 0 for r in rs):
             return None  # someone is joining or moving: wait until their rates mean something
-        plan = plan_move(self.replicas(ready_only=True), ctx.num_stages, self.config.quality)
+        plan = plan_move(
+            self.replicas(ready_only=True),
+            ctx.num_stages,
+            self.config.quality,
+            by_stage=not all(ctx.table.covers(s) for s in range(ctx.num_stages)),
+        )
         self.last_plan = plan
         if plan is None or plan.peer_id != ctx.peer_id:
             return None

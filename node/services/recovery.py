@@ -2,13 +2,15 @@
 
 Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recovery``):
 
-- **Watch.** Every second the node looks at its peer table; a stage with no ready replica
-  is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.roles.head``
+- **Watch.** Every second the node looks at its peer table (and, for the stages it does not
+  hold, at their summaries); a stage with no ready replica is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.roles.head``
   waits for a complete pipeline) rather than failing them.
 - **Refill.** A joining ``--stage auto`` node takes an empty stage first (``node.services.balance``).
   If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
   stage with the most replicas (never its last) moves there; every node computes the same
-  answer from its table, so one node moves.
+  answer from its table, so one node moves. With neighbourhood tables only the stages that
+  hold the empty one give (they see it empty in their tables; a far stage's summary could
+  be made up by any member).
 - **Rebuild.** A node taking over a stage copies a live replica if there is one; otherwise
   it follows the plan: CheckFree's gradient-norm-weighted average of the nearest live block
   stages, CheckFree+'s copy of a boundary stage's swap partner, a single neighbour's copy,
@@ -19,7 +21,8 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
   freshest backup.
 - **Checkpoint-restart** (the other baseline): every node saves its stage every
   ``checkpoint_every`` steps; a lost stage restarts from its last save, and the node that
-  restarts it tells every peer to roll back to its own last save.
+  restarts it tells every peer to roll back to its own last save (with neighbourhood
+  tables: the peers it holds, and each passes it on once to the peers it holds).
 
 Every source's weights (a replica copied at join, the neighbours a rebuild averages, a head
 backup) are fetched and screened by ``node.services.statefetch``: a refused source is banned
@@ -80,6 +83,7 @@ class RecoveryService:
         self._last_backup_step = 0
         self._last_save_step = 0
         self._busy = False
+        self._rolled_back: set[tuple[int, int]] = set()  # (stage, step) of restarts heard
         self.checkpoint_dir = self.config.checkpoint_dir or str(
             Path(tempfile.gettempdir()) / f"murmuration-checkpoints-{ctx.config.swarm.name}"
         )
@@ -147,6 +151,13 @@ class RecoveryService:
         runner = self.ctx.state.runner
         if self.config.method != "checkpoint" or runner is None:
             raise Refused("no_checkpoints", "this node does not use checkpoint-restart")
+        if (msg.stage, msg.step) in self._rolled_back:
+            return  # heard already, from another neighbour
+        self._rolled_back.add((msg.stage, msg.step))
+        table = self.ctx.table
+        if not all(table.covers(s) for s in range(self.ctx.num_stages)):
+            # the restarting node told the stages next to it: pass it on down the ring
+            self.ctx.spawn(self._broadcast_rollback(msg.stage, msg.step, but=msg.sender))
         saved = await runner.compute(load_checkpoint, self.checkpoint_dir, runner.stage)
         if saved is None:
             return
@@ -161,18 +172,18 @@ class RecoveryService:
         )
 
     def live(self) -> dict[int, list[PeerRecord]]:
-        """Ready replicas per stage, this node included when it serves; peers that just
-        failed to answer (banned by the router) do not count: they are probably dead but
-        not yet expired from the table."""
+        """Ready replicas per stage known (``NodeContext.everyone``), this node included when
+        it serves; peers that just failed to answer (banned by the router) do not count: they
+        are probably dead but not yet expired from the table."""
         ctx = self.ctx
         now = ctx.clock.now()
         banned = {pid for pid, st in ctx.router.stats.items() if st.banned_until > now}
         live = {
-            s: [r for r in ctx.table.replicas(s) if r.peer_id not in banned]
-            for s in range(ctx.num_stages)
+            s: [r for r in records if r.ready and r.peer_id not in banned]
+            for s, records in ctx.everyone().items()
         }
         if ctx.state.serving and ctx.stage >= 0:
-            live[ctx.stage].append(self.record())
+            live.setdefault(ctx.stage, []).append(self.record())
         return live
 
     async def run(self) -> None:
@@ -197,7 +208,11 @@ class RecoveryService:
         for stage, since in sorted(self.empty_since.items()):
             if stage == 0 or ctx.stage == 0 or now - since < self.config.refill_wait_s:
                 continue  # the head stage is refilled by joining head nodes (it has no neighbours)
-            if choose_mover(stage, self.record(), live):
+            table = ctx.table
+            if not table.covers(stage):
+                continue  # known empty by a summary only: the stages that hold it refill it
+            donors = {s for s in live if table.scope is None or table.scope.covers(s, stage)}
+            if choose_mover(stage, self.record(), live, donors):
                 log.warning(
                     "stage %d empty for %.0fs: moving there from stage %d",
                     stage,
@@ -267,7 +282,9 @@ class RecoveryService:
         )
         return plan
 
-    async def _broadcast_rollback(self, stage: int, step: int) -> None:
+    async def _broadcast_rollback(self, stage: int, step: int, but: str = "") -> None:
+        """Tell every peer of the table (``but`` the one that told us) to roll back."""
+        self._rolled_back.add((stage, step))
         msg = Rollback(stage=stage, step=step, sender=self.ctx.peer_id)
 
         async def tell(peer: PeerRecord) -> None:
@@ -276,7 +293,7 @@ class RecoveryService:
             except TransportError as e:
                 log.warning("rollback request to %s failed: %s", peer.peer_id[:8], e)
 
-        await asyncio.gather(*(tell(p) for p in self.ctx.table.records()))
+        await asyncio.gather(*(tell(p) for p in self.ctx.table.records() if p.peer_id != but))
 
     async def _fetch_params(self, stage: int) -> dict[str, torch.Tensor]:
         """Weights of the most advanced live replica of ``stage`` that answers."""
