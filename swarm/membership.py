@@ -47,8 +47,10 @@ Protocol"), ``docs/algorithms.md`` section 11:
   each. A newcomer whose bootstrap holds another neighbourhood greets a member of its own
   (a summary's contact, or a greeter its bootstrap kept in its lobby; failing both, the
   contact of the nearest stage it knows, nearer each time), who spreads the join; a node
-  that moves tells its old neighbourhood itself. ``docs/algorithms.md``
-  section 11.
+  that moves tells its old neighbourhood itself. ``view`` is what the daemon's planners
+  read of every stage (the table where held, the freshest summary elsewhere), and
+  ``arrive`` is how a node that took a stage meets its new neighbourhood before it copies
+  weights. ``docs/algorithms.md`` section 11.
 
 Departure from SWIM: there is no separate "suspect" state spread to others; the prober that
 misses a member keeps probing it, directly and through others, for ``ttl_s`` before it

@@ -138,7 +138,7 @@ def test_a_move_drains_and_carries_the_new_stages_weights(tmp_path: Path) -> Non
         print(f"move copied stage 2 at step {copied.group(1)}; drain counters {counters}")
         # the stage it left still has its pinned replica, and training goes on through both
         st = fetch_status(head)
-        assert all(st["peers"][str(k)] for k in (1, 2, 3)), st["peers"]
+        assert all(st["stages"][str(k)]["ready"] for k in (1, 2, 3)), st["stages"]
         step = st["step"]
         wait_for(lambda: fetch_status(head)["step"] >= step + 5, 120, "training after the move")
         assert not s.dead()

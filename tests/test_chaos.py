@@ -25,6 +25,7 @@ import pytest
 from node.client import fetch_status
 from node.demo import LocalSwarm, free_port, wait_ready
 from node.identity import IDENTITY_FILE
+from swarm.peers import Neighbourhood
 from tests.helpers import FAST_SWARM, accounted, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -170,17 +171,21 @@ def test_random_sigkills_and_restarts_never_stall_or_lose_microbatches(tmp_path:
             assert st["peer_id"] == b.peer_id
             if b.up_since is None:
                 b.restarts_s.append(time.monotonic() - restarted_at[i])
-        ids = {b.peer_id for b in blocks} | {fetch_status(h)["peer_id"] for h in heads}
+        stage_of = {b.peer_id: b.stage for b in blocks} | {
+            fetch_status(h)["peer_id"]: 0 for h in heads
+        }
+        ring = Neighbourhood(len(set(BLOCK_PLAN)) + 1)  # tables hold a stage and its neighbours
 
-        def one_swarm_again() -> bool:  # every table lists the same 7 peers, no ghosts
+        def one_swarm_again() -> bool:  # every table lists the peers it holds, no ghosts
             for address in [*heads, *(b.address for b in blocks)]:
                 st = fetch_status(address)
                 listed = {p["peer_id"] for ps in st["peers"].values() for p in ps}
-                if listed != ids - {st["peer_id"]}:
+                due = {p for p, s in stage_of.items() if ring.covers(st["stage"], s)}
+                if listed != due - {st["peer_id"]}:
                     return False
             return True
 
-        wait_for(one_swarm_again, 60, "every node to list exactly the other seven")
+        wait_for(one_swarm_again, 60, "every node to list exactly the peers of its neighbourhood")
         done_before = {h: fetch_status(h)["counters"]["microbatches_completed"] for h in heads}
         for h in heads:
             wait_for(

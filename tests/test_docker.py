@@ -176,8 +176,8 @@ def check_swarm(swarm: ComposeSwarm, num_nodes: int) -> dict[str, Any]:
     head = f"http://127.0.0.1:{swarm.head_port}/status"
 
     def discovered() -> bool:
-        peers = get_json(head)["peers"]
-        return {k: len(v) + (k == "0") for k, v in peers.items()} == EXPECTED_REPLICAS
+        stages = get_json(head)["stages"]  # itself included; stage 2 from a summary
+        return {k: v["ready"] for k, v in stages.items()} == EXPECTED_REPLICAS
 
     wait_for(discovered, 150, f"the head to see replicas {EXPECTED_REPLICAS} (zeroconf)")
     done = lambda: get_json(head)["counters"].get("microbatches_completed", 0)  # noqa: E731
@@ -215,7 +215,7 @@ def check_swarm(swarm: ComposeSwarm, num_nodes: int) -> dict[str, Any]:
     assert [g["name"] for g in rules] == ["murmuration"]
     return {
         "containers": len(containers),
-        "head_peers": {k: len(v) for k, v in get_json(head)["peers"].items()},
+        "head_view": {k: v["ready"] for k, v in get_json(head)["stages"].items()},
         "completed_at_status": first,
         "completed_in_prometheus": scraped,
         "targets_up": sorted(targets),

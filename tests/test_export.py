@@ -292,7 +292,7 @@ def test_swarm_export_generate_and_init(tmp_path: Path) -> None:
 
         def all_done() -> bool:
             st = fetch_status(head)
-            steps = [st["step"]] + [p["step"] for s in ("1", "2", "3") for p in st["peers"][s]]
+            steps = [st["stages"][s]["step"] for s in ("0", "1", "2", "3") if s in st["stages"]]
             return len(steps) == N + 1 and min(steps) >= TRAIN_STEPS + 2
 
         wait_for(all_done, 240, f"every stage past step {TRAIN_STEPS}")

@@ -14,6 +14,7 @@ import pytest
 
 from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
+from node.display import format_status
 from tests.helpers import FAST_SWARM, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -65,5 +66,33 @@ def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> N
         chromium("--window-size=1000,800", f"--screenshot={shot}", f"http://{head}/")
         assert shot.stat().st_size > 10_000
         print(f"screenshot of the page: {shot}")
+    finally:
+        s.stop(grace_s=5)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+def test_a_stage_the_heads_table_does_not_hold_is_shown_from_its_summary(tmp_path: Path) -> None:
+    # four stages: the head's neighbourhood is stages 3, 0 and 1; stage 2 it knows only by
+    # the summaries its neighbours relay, and the page and `node status` say so
+    s = LocalSwarm(
+        tmp_path, {**FAST_SWARM, "swarm.num_block_stages": "3", "balance.benchmark_s": "0"}
+    )
+    try:
+        head = s.start_node(0)
+        wait_ready(head, 90, s)
+        for stage in (1, 2, 3):
+            wait_ready(s.start_node(stage), 90, s)
+        wait_for(lambda: fetch_status(head)["step"] >= 2, 120, "training through stage 2")
+        st = fetch_status(head)
+        assert sorted(st["peers"]) == ["0", "1", "3"]  # the records it holds
+        far = st["stages"]["2"]
+        assert not far["held"] and (far["replicas"], far["ready"]) == (1, 1), far
+        assert "stage 2: 1 replica(s), 1 ready" in format_status(st)
+        dom = chromium("--dump-dom", f"http://{head}/").split("<script>")[0]
+        columns = {part[0]: part for part in dom.split('<div class="stage" data-stage="')[1:]}
+        assert sorted(columns) == ["0", "1", "2", "3"], dom[-3000:]
+        assert "a peer's summary" in columns["2"] and "1 replica(s), 1 ready" in columns["2"]
+        assert "a peer's summary" not in columns["1"]
+        assert list(columns) == ["0", "1", "2", "3"]  # in stage order
     finally:
         s.stop(grace_s=5)

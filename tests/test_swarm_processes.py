@@ -84,12 +84,14 @@ def test_swarm_trains_and_eval_loss_falls(swarm: Any) -> None:
     assert before > 5.0, before
     assert after < before - 1.5, (before, after)
     assert st["counters"].get("microbatches_completed", 0) >= 60
-    assert {k: len(v) for k, v in st["peers"].items()} == {"0": 0, "1": 1, "2": 1, "3": 1}
+    # its table holds stages 3, 0 and 1; stage 2 it knows from its neighbours' summaries
+    assert {k: len(v) for k, v in st["peers"].items()} == {"0": 0, "1": 1, "3": 1}
+    assert {k: v["ready"] for k, v in st["stages"].items()} == {"0": 1, "1": 1, "2": 1, "3": 1}
 
 
 def test_killing_one_of_two_replicas_does_not_stop_training(swarm: Any) -> None:
     s = swarm()
-    head, _, victim, survivor, _ = start(s, [0, 1, 2, 2, 3])
+    head, before, victim, survivor, _ = start(s, [0, 1, 2, 2, 3])
     wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 10, 90, "training")
     name = next(n for n, _, _ in s.procs if n.endswith(victim.rsplit(":", 1)[1]))
     proc = next(p for n, p, _ in s.procs if n == name)
@@ -102,11 +104,12 @@ def test_killing_one_of_two_replicas_does_not_stop_training(swarm: Any) -> None:
         "30 more microbatches",
     )
     # routing bans the dead peer at its first failure; the peer table drops it once it has
-    # been silent for ttl_s (4 s) - which a fast machine may not have reached yet
+    # been silent for ttl_s (4 s) - which a fast machine may not have reached yet (stage 1's
+    # table holds stage 2; the head's does not)
     wait_for(
-        lambda: [p["address"] for p in fetch_status(head)["peers"]["2"]] == [survivor],
+        lambda: [p["address"] for p in fetch_status(before)["peers"]["2"]] == [survivor],
         15,
-        "the head to drop the victim (ttl 4 s)",
+        "stage 1 to drop the victim (ttl 4 s)",
     )
     st = fetch_status(head)
     # the victim's in-flight work was rerouted or re-issued, and every issue is accounted for
@@ -118,7 +121,7 @@ def test_killing_one_of_two_replicas_does_not_stop_training(swarm: Any) -> None:
 
 def test_sigterm_leaves_cleanly_and_peers_drop_it_at_once(swarm: Any) -> None:
     s = swarm(**{"membership.ttl_s": "60"})  # so only the Leave message can explain the drop
-    head, _, leaver, _, _ = start(s, [0, 1, 2, 2, 3])
+    head, before, leaver, _, _ = start(s, [0, 1, 2, 2, 3])
     wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 5, 90, "training")
     name = next(n for n, _, _ in s.procs if n.endswith(leaver.rsplit(":", 1)[1]))
     proc = next(p for n, p, _ in s.procs if n == name)
@@ -129,9 +132,9 @@ def test_sigterm_leaves_cleanly_and_peers_drop_it_at_once(swarm: Any) -> None:
     # ttl is 60 s: a drop within a few seconds can only come from the Leave message (sent
     # with a 1 s deadline; a loaded machine may need a moment to process it)
     wait_for(
-        lambda: leaver not in [p["address"] for p in fetch_status(head)["peers"]["2"]],
+        lambda: leaver not in [p["address"] for p in fetch_status(before)["peers"]["2"]],
         5,
-        "the head to drop the leaver",
+        "stage 1 to drop the leaver",
         interval_s=0.2,
     )
     done = counters(head)["microbatches_completed"]
