@@ -260,6 +260,7 @@ class Node:
                     "step": s.step,
                     "age_s": round(s.age_s, 1),
                     "held": str(s.stage) in peers,
+                    "contact": s.contact,  # a replica to ask, for a stage not held
                 }
                 for s in self.membership.view().values()
             },

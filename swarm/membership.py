@@ -447,15 +447,18 @@ class MembershipService:
         table (and our own record) for the stages it holds, the freshest summary relayed by
         others for the rest; a stage it knows nothing of is absent. Picks no contact (that
         is for greeting) and so draws nothing from ``rng``."""
-        now = self.clock.now()
-        known = (self._summary(stage, now, pick=False) for stage in sorted(self._stages()))
+        now, own = self.clock.now(), self.self_record()
+        stages = sorted(self._stages())
+        known = (self._summary(stage, now, pick=False, own=own) for stage in stages)
         return {summary.stage: summary for summary in known if summary is not None}
 
-    def _summary(self, stage: int, now: float, pick: bool = True) -> StageSummary | None:
+    def _summary(
+        self, stage: int, now: float, pick: bool = True, own: PeerRecord | None = None
+    ) -> StageSummary | None:
         """Counted from the table for a stage we hold; relayed for the rest, and for a
         held stage we have not met yet (just after a join or a move)."""
         far = self._far.get(stage)
-        own = self.self_record()
+        own = own or self.self_record()
         records = self.table.replicas(stage, ready_only=False) if self.table.covers(stage) else []
         if own.stage == stage and not own.leaving:
             records.append(own)

@@ -132,3 +132,25 @@ def test_a_restarted_node_keeps_its_identity(swarms: Any, tmp_path: Path) -> Non
     again = swarms()
     address = again.start_node(0, extra=["--state-dir", str(state)])
     assert wait_ready(address, 90, again)["peer_id"] == peer_id
+
+
+def test_a_keyed_swarm_of_neighbourhoods_trains(swarms: Any, tmp_path: Path) -> None:
+    # four stages: each table holds its stage and the two next to it, so the head and
+    # stage 2 never greet each other; summaries, hellos and hops all go through the key
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text(secrets.token_hex(32) + "\n")
+    s = swarms(**{"net.swarm_key_file": str(key_file), "swarm.num_block_stages": "3"})
+    addresses = [s.start_node(stage) for stage in (0, 1, 2, 3)]
+    for a in addresses:
+        wait_ready(a, 90, s)
+    head = addresses[0]
+    wait_for(lambda: completed(head) >= 5, 180, "keyed training through four stages")
+    st = fetch_status(head)
+    assert sorted(st["peers"]) == ["0", "1", "3"]
+    assert not st["stages"]["2"]["held"] and st["stages"]["2"]["ready"] == 1
+    middle = fetch_status(addresses[2])
+    assert sorted(middle["peers"]) == ["1", "2", "3"] and middle["stages"]["0"]["ready"] == 1
+    for a in addresses:  # members never refuse each other's signatures
+        counters = fetch_status(a)["counters"]
+        assert not any(k.startswith("rejected_auth") for k in counters), (a, counters)
+    assert not s.dead()

@@ -32,16 +32,25 @@ def chromium(*args: str) -> str:
     return done.stdout
 
 
+def stages(block_stages: int) -> dict[str, str]:
+    return {"swarm.num_block_stages": str(block_stages), "balance.benchmark_s": "0"}
+
+
+def start_pipeline(s: LocalSwarm, block_stages: int) -> str:
+    """A head and one replica of each of ``block_stages`` block stages, all ready; the
+    head's address."""
+    head = s.start_node(0)
+    wait_ready(head, 90, s)
+    for stage in range(1, block_stages + 1):
+        wait_ready(s.start_node(stage), 90, s)
+    return head
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
 def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> None:
-    s = LocalSwarm(
-        tmp_path, {**FAST_SWARM, "swarm.num_block_stages": "2", "balance.benchmark_s": "0"}
-    )
+    s = LocalSwarm(tmp_path, {**FAST_SWARM, **stages(2)})
     try:
-        head = s.start_node(0)
-        wait_ready(head, 90, s)
-        for stage in (1, 2):
-            wait_ready(s.start_node(stage), 90, s)
+        head = start_pipeline(s, 2)
 
         def learning() -> bool:
             history = fetch_status(head)["loss_history"]
@@ -74,14 +83,9 @@ def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> N
 def test_a_stage_the_heads_table_does_not_hold_is_shown_from_its_summary(tmp_path: Path) -> None:
     # four stages: the head's neighbourhood is stages 3, 0 and 1; stage 2 it knows only by
     # the summaries its neighbours relay, and the page and `node status` say so
-    s = LocalSwarm(
-        tmp_path, {**FAST_SWARM, "swarm.num_block_stages": "3", "balance.benchmark_s": "0"}
-    )
+    s = LocalSwarm(tmp_path, {**FAST_SWARM, **stages(3)})
     try:
-        head = s.start_node(0)
-        wait_ready(head, 90, s)
-        for stage in (1, 2, 3):
-            wait_ready(s.start_node(stage), 90, s)
+        head = start_pipeline(s, 3)
         wait_for(lambda: fetch_status(head)["step"] >= 2, 120, "training through stage 2")
         st = fetch_status(head)
         assert sorted(st["peers"]) == ["0", "1", "3"]  # the records it holds

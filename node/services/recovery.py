@@ -204,7 +204,8 @@ class RecoveryService:
                 self.empty_since.pop(stage, None)
             elif stage not in self.empty_since:
                 self.empty_since[stage] = now
-                log.warning("stage %d has no live replica", stage)
+                source = "" if ctx.table.covers(stage) else " (by a peer's summary)"
+                log.warning("stage %d has no live replica%s", stage, source)
         for stage, since in sorted(self.empty_since.items()):
             if stage == 0 or ctx.stage == 0 or now - since < self.config.refill_wait_s:
                 continue  # the head stage is refilled by joining head nodes (it has no neighbours)

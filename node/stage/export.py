@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from node.client import fetch_status
 from node.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from node.stage import hf
 from node.stage.model import (
@@ -138,8 +139,10 @@ def fetch_stage_state(
     return reply
 
 
-def _candidates(status: dict[str, Any], stage: int) -> list[dict[str, Any]]:
-    """Live replicas of ``stage`` known to the node (itself included), most advanced first."""
+def _candidates(status: dict[str, Any], stage: int, far: bool = True) -> list[dict[str, Any]]:
+    """Live replicas of ``stage`` known to the node (itself included), most advanced first.
+    A stage its table does not hold (neighbourhood tables) is reached through the contact
+    its summary names: that replica's own status lists its stage."""
     found = {p["peer_id"]: p for p in status["peers"].get(str(stage), []) if p.get("ready", True)}
     if status["stage"] == stage:
         found[status["peer_id"]] = {
@@ -147,6 +150,12 @@ def _candidates(status: dict[str, Any], stage: int) -> list[dict[str, Any]]:
             "address": status["address"],
             "step": status["step"],
         }
+    summary = status.get("stages", {}).get(str(stage), {})
+    if not found and far and summary.get("contact"):
+        try:
+            return _candidates(fetch_status(summary["contact"]), stage, far=False)
+        except ValueError:
+            return []
     return sorted(found.values(), key=lambda p: -int(p["step"]))
 
 
