@@ -70,9 +70,12 @@ class SimSwarm:
         idle: bool = False,
         stages: int = STAGES,
         scope: Neighbourhood | None = None,
+        first_stage: int = 0,
     ) -> None:
         self.config = config
         self.stages = stages
+        self.first_stage = first_stage
+        """Nodes take stages ``first_stage..stages-1`` in turn (1: no head, as the real run)."""
         self.scope = scope
         """Tables hold these neighbourhoods (None: the whole swarm)."""
         self.idle = idle
@@ -88,7 +91,8 @@ class SimSwarm:
         i = self.next_id
         self.next_id += 1
         address = f"10.{i // 65536}.{i // 256 % 256}.{i % 256}:7070"
-        base = PeerRecord(peer_id=f"{i:016x}", address=address, stage=i % self.stages, ready=True)
+        stage = self.first_stage + i % (self.stages - self.first_stage)
+        base = PeerRecord(peer_id=f"{i:016x}", address=address, stage=stage, ready=True)
         clock = self.clock
         table = PeerTable(base.peer_id, self.config.ttl_s, self.config.max_peers, scope=self.scope)
         svc = MembershipService(
@@ -199,13 +203,19 @@ async def measure(
     latency_s: float,
     idle: bool = False,
     stage_size: int = 0,
+    real_stages: int = 0,
+    real_tables: str = "",
 ) -> dict[str, Any]:
     """One size's steady and churn figures (steady only with ``churn_s`` 0); with
-    ``stage_size``, tables hold neighbourhoods of stages of about that many replicas."""
+    ``stage_size``, tables hold neighbourhoods of stages of about that many replicas; with
+    ``real_stages``, the real run's layout: that many stages, nodes on all but the head's,
+    and tables of the kind ``real_tables``."""
     config = MembershipConfig(max_peers=max(16384, 2 * n))
-    stages = max(STAGES, n // stage_size) if stage_size else STAGES
-    scope = Neighbourhood(stages) if stage_size else None
-    sw = formed(SimSwarm(config, seed, latency_s, idle, stages, scope), n)
+    stages = real_stages or (max(STAGES, n // stage_size) if stage_size else STAGES)
+    scoped = real_tables == "neighbourhood" if real_stages else bool(stage_size)
+    scope = Neighbourhood(stages) if scoped else None
+    first = 1 if real_stages else 0
+    sw = formed(SimSwarm(config, seed, latency_s, idle, stages, scope, first), n)
     kind = {"tables": "neighbourhood" if scope else "whole swarm", "stages": stages}
     for svc in list(sw.nodes.values()):
         sw.start(svc)
@@ -317,9 +327,11 @@ async def measure(
 
 
 MEMBERSHIP_KINDS = ("hello", "welcome", "ping", "pong", "probe", "leave")
+REAL_STAGES = 7
+"""The tiny model's 6 blocks, one a stage, and the head's (which the real run leaves empty)."""
 REAL_SETTINGS = {
     "node.join_wait_s": "1.0",
-    "swarm.num_block_stages": "6",  # the tiny model's 6 blocks: 7 stages
+    "swarm.num_block_stages": str(REAL_STAGES - 1),
     "train.eval_interval_s": "0",
     "balance.benchmark_s": "0",
     "balance.interval_s": "0",
@@ -342,10 +354,13 @@ def scrape(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dict[str, Any]:
+def measure_real(
+    n: int, steady_s: float, events: int, latency_ms: float, tables: str
+) -> dict[str, Any]:
     """``n`` real ``node join`` processes on loopback (block stages only: no head, so no
-    training), each adding ``latency_ms`` to what it sends: the steady traffic from their
-    /metrics, then ``events`` times a node killed (SIGKILL) and a new one started."""
+    training), each adding ``latency_ms`` to what it sends, their tables of the kind
+    ``tables``: the steady traffic from their /metrics, then ``events`` times a node killed
+    (SIGKILL) and a new one started."""
     import os
     import signal
     import tempfile
@@ -354,7 +369,12 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
     from node.client import fetch_status
     from node.demo import LocalSwarm, free_port, wait_ready
 
-    settings = dict(REAL_SETTINGS)
+    settings = {**REAL_SETTINGS, "membership.tables": tables}
+    ring = Neighbourhood(REAL_STAGES) if tables == "neighbourhood" else None
+
+    def holds(stage: int, other: int) -> bool:
+        return ring is None or ring.covers(stage, other)
+
     if latency_ms:
         settings["net.inject_latency_s"] = str(latency_ms / 1e3)
     log_dir = Path(tempfile.mkdtemp(prefix="murmuration-membership-"))
@@ -374,9 +394,9 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
     def start(i: int) -> str:
         mport = port()
         address = swarm.start_node(
-            1 + i % 6, port=port(), extra=["--set", f"net.metrics_port={mport}"]
+            1 + i % (REAL_STAGES - 1), port=port(), extra=["--set", f"net.metrics_port={mport}"]
         )
-        metrics[address], stages[address] = mport, 1 + i % 6
+        metrics[address], stages[address] = mport, 1 + i % (REAL_STAGES - 1)
         return address
 
     def statuses(addresses: list[str]) -> dict[str, dict[str, Any]]:
@@ -394,14 +414,15 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
 
     try:
         live = [start(i) for i in range(n)]
-        say(f"real n={n}: started, waiting for every table to hold everyone")
+        say(f"real n={n}: started, waiting for every table to hold everyone it should")
         for address in live:
             wait_ready(address, 600.0, swarm)
         deadline = time.monotonic() + 300
         incomplete = set(live)
         while incomplete:
             for address, st in statuses(sorted(incomplete)).items():
-                if sum(len(ps) for ps in st["peers"].values()) == n - 1:
+                due = sum(holds(stages[address], stages[a]) for a in live) - 1
+                if sum(len(ps) for ps in st["peers"].values()) == due:
                     incomplete.discard(address)
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -418,6 +439,14 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
         requests = [(after[a]["requests"] - before[a]["requests"]) / elapsed for a in live]
         row: dict[str, Any] = {
             "n": n,
+            "tables": "neighbourhood" if ring else "whole swarm",
+            "stages": REAL_STAGES,
+            "table_size_mean": round(
+                statistics.fmean(
+                    sum(len(ps) for ps in st["peers"].values()) for st in statuses(live).values()
+                ),
+                1,
+            ),
             "frame_bytes_per_node_per_s": round(statistics.fmean(frames), 1),
             "frame_bytes_per_node_per_s_max": round(max(frames), 1),
             "requests_sent_per_node_per_s": round(statistics.fmean(requests), 2),
@@ -449,12 +478,11 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
             said_at = time.monotonic()  # listening: it greets its bootstrap now
             new_id = statuses([newcomer])[newcomer]["peer_id"]
             stage = stages[newcomer]
-            near = {stage - 1, stage, stage + 1}
             live.append(newcomer)
             while not all(
                 knows(st, new_id)
                 for a, st in statuses(live).items()
-                if a != newcomer and stages[a] in near
+                if a != newcomer and holds(stage, stages[a])
             ):
                 if time.monotonic() - said_at > 120:
                     raise RuntimeError(f"{new_id} not known to its neighbours after 120 s")
@@ -469,11 +497,35 @@ def measure_real(n: int, steady_s: float, events: int, latency_ms: float) -> dic
         pool.shutdown()
 
 
-def real_against_sim(n: int, steady_s: float, events: int, latency_ms: float) -> dict[str, Any]:
+def real_against_sim(
+    n: int, steady_s: float, events: int, latency_ms: float, tables: str
+) -> dict[str, Any]:
     """The real processes' figures beside the simulation's of the same idle swarm."""
-    row = measure_real(n, steady_s, events, latency_ms)
-    sim = asyncio.run(measure(n, steady_s, 0.0, 0, latency_ms / 1e3, idle=True))
+    row = measure_real(n, steady_s, events, latency_ms, tables)
+    sim = asyncio.run(
+        measure(
+            n,
+            steady_s,
+            0.0,
+            0,
+            latency_ms / 1e3,
+            idle=True,
+            real_stages=REAL_STAGES,
+            real_tables=tables,
+        )
+    )
     return {**row, "simulated_idle": sim}
+
+
+def real_rows(earlier: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The real run's row with ``--real``, in place of an earlier one of the same size and
+    tables (an earlier row without ``tables`` had whole ones)."""
+    if not args.real:
+        return earlier
+    row = real_against_sim(args.real, args.steady_s, args.events, args.latency_ms, args.tables)
+    key = (row["n"], row["tables"])
+    kept = [r for r in earlier if (r["n"], r.get("tables", "whole swarm")) != key]
+    return [*kept, row]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -578,9 +630,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "before": earlier.get("before", []),
         "notes": earlier.get("notes", {}),
         "simulated": rows,
-        "real": [real_against_sim(args.real, args.steady_s, args.events, args.latency_ms)]
-        if args.real
-        else earlier.get("real", []),
+        "real": real_rows(earlier.get("real", []), args),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
