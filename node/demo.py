@@ -218,12 +218,12 @@ def _train(
         st = fetch_status(head)
         if time.monotonic() - last_print >= 5.0:
             last_print = time.monotonic()
-            peers = sum(len(v) for v in st["peers"].values())
+            nodes = sum(s["replicas"] for s in st["stages"].values())  # itself included
             loss = "-" if st.get("loss_ema") is None else f"{st['loss_ema']:.3f}"
             ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"
             say(
                 f"[{st['train_s']:6.0f}s] step {st['step']:5d}  loss {loss}  eval {ev}  "
-                f"{st['tokens_per_s']:7.0f} tok/s  peers {peers}  "
+                f"{st['tokens_per_s']:7.0f} tok/s  nodes {nodes}  "
                 f"done {st['counters'].get('microbatches_completed', 0)} "
                 f"retried {st['counters'].get('microbatches_retried', 0)}"
             )
