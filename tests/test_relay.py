@@ -232,6 +232,30 @@ def test_a_node_nobody_can_dial_serves_its_stage_through_the_head(swarms: Any) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_relayed_node_the_heads_table_does_not_hold_trains_through_its_neighbours(
+    swarms: Any,
+) -> None:
+    # four stages, neighbourhood tables: the undiallable node serves stage 2, which the head
+    # knows only by its summary; its relay is one of the nodes that hold stage 2 (1 or 3)
+    s = swarms(**{"swarm.num_block_stages": "3"})
+    head = s.start_node(0)
+    wait_ready(head, 90, s)
+    ends = {stage: s.start_node(stage) for stage in (1, 3)}
+    for address in ends.values():
+        wait_ready(address, 90, s)
+    block = s.start_node(2, extra=UNDIALLABLE)
+    st = wait_ready(block, 90, s)
+    assert st["reachability"]["state"] == "relayed"
+    assert {v["address"] for v in st["relay"]["via"]} <= set(ends.values())
+    wait_for(lambda: counters(head).get("microbatches_completed", 0) >= 10, 120, "10 mbs")
+    head_st = fetch_status(head)
+    assert "2" not in head_st["peers"] and head_st["stages"]["2"]["ready"] == 1
+    assert not head_st["stages"]["2"]["contact"]  # a relayed replica is nobody's contact
+    assert all_accounted(head_st), head_st["counters"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_when_its_relay_dies_a_node_moves_to_another_and_training_goes_on(swarms: Any) -> None:
     # head: relays for nobody; two relays serve stage 2; the undiallable node serves stage 1
     s = swarms(**{"swarm.num_block_stages": "2"})
