@@ -102,12 +102,14 @@ class NodeContext:
         """The swarm as a planner reads it, by stage: the table's live (not leaving) records
         of each stage it has records of, stand-ins (``swarm.peers.stand_ins``) for the
         replicas of a stage known only by a summary. Present, if empty, are the stages the
-        table holds once this node has a stage (every stage with whole tables); absent, a
-        stage it knows nothing of. This node itself is not in it."""
+        table holds (every stage with whole tables); absent, a stage it knows nothing of.
+        Before it takes a stage, a node with a neighbourhood table reads every stage as
+        its view counts it (stand-ins only). This node itself is not in it."""
         table, own = self.table, self.stage
-        settled = table.scope is None or own >= 0  # a newcomer's table holds whatever it met
+        if table.scope is not None and own < 0:  # a newcomer has met some of many stages:
+            return {s: stand_ins(summary) for s, summary in self.stages().items()}  # counts
         by_stage: dict[int, list[PeerRecord]] = {
-            s: [] for s in range(self.num_stages) if settled and table.covers(s)
+            s: [] for s in range(self.num_stages) if table.covers(s)
         }
         for r in table.records():
             if not r.leaving and table.covers(r.stage) and 0 <= r.stage < self.num_stages:

@@ -440,6 +440,8 @@ class MembershipService:
         scope = self.table.scope
         if scope is None:
             return {r.stage for r in (*self.table.records(), self.self_record()) if r.stage >= 0}
+        if self.table.stage < 0:  # a newcomer holds what it met, not every stage
+            return set(self._far) | {r.stage for r in self.table.records() if r.stage >= 0}
         return set(self._far) | {s for s in range(scope.num_stages) if self.table.covers(s)}
 
     def view(self) -> dict[int, StageSummary]:
@@ -455,17 +457,21 @@ class MembershipService:
     def _summary(
         self, stage: int, now: float, pick: bool = True, own: PeerRecord | None = None
     ) -> StageSummary | None:
-        """Counted from the table for a stage we hold; relayed for the rest, and for a
-        held stage we have not met yet (just after a join or a move)."""
+        """Counted from the table for a stage we hold; relayed for the rest, for a held
+        stage we have not met yet (just after a join or a move), and, before we take a
+        stage, for any stage a peer summarised for us."""
         far = self._far.get(stage)
         own = own or self.self_record()
         records = self.table.replicas(stage, ready_only=False) if self.table.covers(stage) else []
         if own.stage == stage and not own.leaving:
             records.append(own)
-        if not records and far is not None:
+        # a newcomer (no stage yet) has met some replicas of many stages, all of few: it
+        # counts a stage only when nobody has told it better
+        newcomer = self.table.scope is not None and self.table.stage < 0
+        if far is not None and (newcomer or not records):
             return replace(far[0], age_s=round(now - far[1], 3))
-        if not self.table.covers(stage):
-            return None
+        if not self.table.covers(stage) or (newcomer and not records):
+            return None  # not ours to count: a newcomer's "no replica" is only "not met"
         summary = StageSummary(
             stage=stage,
             replicas=len(records),

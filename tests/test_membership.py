@@ -522,3 +522,19 @@ async def test_arrive_gives_up_when_no_member_of_its_new_stages_answers() -> Non
     assert mover.unmet() == []
     assert [mover.view()[s].replicas for s in (7, 0, 1)] == [0, 4, 3]  # 0: itself too
     await sw.close()
+
+
+async def test_a_newcomer_without_a_stage_does_not_summarise_stages_it_has_not_met() -> None:
+    # it holds what its far bootstrap gave it (stages 7, 0 and 1); a summary of stage 4
+    # from it would say "no replica", age 0, and win by freshness everywhere it went
+    sw, nodes = await neighbourhoods(24)
+    await sw.run_for(10.0)
+    newcomer = sw.add(100, stage=-1, scope=EIGHT)
+    newcomer.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(3.0)
+    view = newcomer.view()
+    assert view[0].replicas == 3 and view[0].age_s == 0.0  # counted: met through stage 0
+    assert all(s.replicas == 3 for s in view.values()), view  # the rest relayed, not zeros
+    sent = newcomer._summaries_for(4, everything=True)
+    assert sent and all(summary.replicas == 3 for summary in sent), sent
+    await sw.close()
