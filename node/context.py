@@ -98,6 +98,12 @@ class NodeContext:
     def stage(self) -> int:
         return self.state.stage
 
+    @property
+    def partial(self) -> bool:
+        """Whether some stages are known only by their summaries (neighbourhood tables on a
+        pipeline longer than a neighbourhood)."""
+        return not all(self.table.covers(s) for s in range(self.num_stages))
+
     def everyone(self) -> dict[int, list[PeerRecord]]:
         """The swarm as a planner reads it, by stage: the table's live (not leaving) records
         of each stage it has records of, stand-ins (``swarm.peers.stand_ins``) for the

@@ -140,7 +140,7 @@ class Balancer:
             self.replicas(ready_only=True),
             ctx.num_stages,
             self.config.quality,
-            by_stage=not all(ctx.table.covers(s) for s in range(ctx.num_stages)),
+            by_stage=ctx.partial,
         )
         self.last_plan = plan
         if plan is None or plan.peer_id != ctx.peer_id:

@@ -154,8 +154,7 @@ class RecoveryService:
         if (msg.stage, msg.step) in self._rolled_back:
             return  # heard already, from another neighbour
         self._rolled_back.add((msg.stage, msg.step))
-        table = self.ctx.table
-        if not all(table.covers(s) for s in range(self.ctx.num_stages)):
+        if self.ctx.partial:
             # the restarting node told the stages next to it: pass it on down the ring
             self.ctx.spawn(self._broadcast_rollback(msg.stage, msg.step, but=msg.sender))
         saved = await runner.compute(load_checkpoint, self.checkpoint_dir, runner.stage)
@@ -212,7 +211,7 @@ class RecoveryService:
             table = ctx.table
             if not table.covers(stage):
                 continue  # known empty by a summary only: the stages that hold it refill it
-            donors = {s for s in live if table.scope is None or table.scope.covers(s, stage)}
+            donors = {s for s in live if table.covers(stage, own=s)}
             if choose_mover(stage, self.record(), live, donors):
                 log.warning(
                     "stage %d empty for %.0fs: moving there from stage %d",
