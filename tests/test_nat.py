@@ -149,7 +149,7 @@ def test_two_natted_replicas_behind_two_routers_train_and_pair_through_a_relay(
     natted = [lab.add_natted(), lab.add_natted()]
     swarm = f"nat-{secrets.token_hex(3)}"
     head = f"{public_head.address}:{PORT}"
-    two = ("swarm.num_block_stages=2", "sync.schedule=steps", "sync.outer_steps=8")
+    two = ("swarm.num_block_stages=2", "sync.round_s=8")
     logs = [
         join(public_head, "0", None, tmp_path / "head.log", swarm, (*two, *NO_RELAY)),
         join(public_relay, "2", head, tmp_path / "relay.log", swarm, two),
