@@ -486,13 +486,10 @@ class MembershipService:
         """A replica of ``records`` for a newcomer to greet: dialable and ready, and one
         that spoke to us lately (or we ourselves) if any, the least likely to be dead."""
         dialable = [r for r in records if r.ready and not r.relays and r.address]
-
-        def spoke_lately(peer_id: str) -> bool:  # 0 s ago counts too
-            silent_s = self.table.silent_s(peer_id, now)
-            return silent_s is not None and silent_s < self.config.ttl_s
-
         lately = [
-            r.address for r in dialable if r.peer_id == own.peer_id or spoke_lately(r.peer_id)
+            r.address
+            for r in dialable
+            if r.peer_id == own.peer_id or self._spoke_lately(r.peer_id, now)
         ]
         contacts = lately or [r.address for r in dialable]
         return self.rng.choice(contacts) if contacts else ""
@@ -664,22 +661,58 @@ class MembershipService:
         start = self.clock.now()
         msg = self._ping_msg(*self._piggyback(record.stage), stage=record.stage)
         if await self._ping(record, msg):
-            self._missing.pop(peer_id, None)
-            self._others_missed.discard(peer_id)
+            self._found(peer_id)
             return
         since = self._missing.setdefault(peer_id, start)
-        silent_s = self.table.silent_s(peer_id, self.clock.now())
-        if silent_s is not None and silent_s < self.config.ttl_s:
-            # it spoke to us lately (its own ping): alive, though we cannot dial it (behind
-            # a NAT with no relay yet); others could not either. Pinged again next round.
-            return
-        if peer_id not in self._others_missed or not self._bury_if_due(record, since):
+        # one that spoke to us lately (its own ping) is alive, though we cannot dial it
+        # (behind a NAT with no relay yet); others could not either: pinged again next round
+        if not self._spoke_lately(peer_id, self.clock.now()):
+            if peer_id in self._others_missed and self._bury_if_due(record, since):
+                return
             if await self._probe_through_others(record):
-                self._missing.pop(peer_id, None)
-                self._others_missed.discard(peer_id)
+                self._found(peer_id)
                 return
             self._others_missed.add(peer_id)  # others could not reach it either
+            if self._bury_if_due(record, since):
+                return
+        await self._last_chance(record, msg, since)
+
+    async def _last_chance(self, record: PeerRecord, msg: Ping, since: float) -> None:
+        """When the next round's probe would end past ``since + ttl_s``, probe once more
+        (directly and through others) so as to end at that moment, and bury the member
+        then if nothing reached it. Otherwise the burial waits for the first probe that
+        fails after the deadline: with silent hosts (pings time out, and so do probes
+        through others) up to a whole probe late, the tail of the death times
+        (``docs/algorithms.md`` section 11). Members get the same ``ttl_s`` of failed
+        probes as before, and the same proof of life (their own pings)."""
+        peer_id, timeout_s = record.peer_id, self.config.probe_timeout_s
+        due = since + self.config.ttl_s
+        through_s = 2 * timeout_s + 0.5  # as _probe_through_others waits
+        if self.clock.now() + 1.2 * self.config.heartbeat_s + timeout_s + through_s <= due:
+            return  # the next rounds probe it again
+        await self.clock.sleep(max(0.0, due - through_s - self.clock.now()))
+        if self._missing.get(peer_id) != since or peer_id not in self.table:
+            return  # buried meanwhile, or found alive
+        direct, through = await asyncio.gather(
+            self._ping(record, msg), self._probe_through_others(record)
+        )
+        if direct or through:
+            self._found(peer_id)
+            return
+        self._others_missed.add(peer_id)
+        await self.clock.sleep(max(0.0, due - self.clock.now()))  # failed before the deadline
+        if not self._spoke_lately(peer_id, self.clock.now()):
             self._bury_if_due(record, since)
+
+    def _found(self, peer_id: str) -> None:
+        """A missing member answered (directly or through others)."""
+        self._missing.pop(peer_id, None)
+        self._others_missed.discard(peer_id)
+
+    def _spoke_lately(self, peer_id: str, now: float) -> bool:
+        """Whether the member's own ping reached us within ``ttl_s`` (0 s ago counts)."""
+        silent_s = self.table.silent_s(peer_id, now)
+        return silent_s is not None and silent_s < self.config.ttl_s
 
     def _bury_if_due(self, record: PeerRecord, since: float) -> bool:
         now = self.clock.now()

@@ -108,6 +108,36 @@ async def test_a_crashed_peer_is_buried_everywhere_within_ttl_and_five_seconds()
     await sw.close()
 
 
+async def test_a_silent_host_is_buried_when_ttl_has_passed_not_a_probe_later() -> None:
+    # a host that vanished without a word (pings time out, and so do probes through
+    # others): each prober that buries it does so ttl_s after its first miss, to within a
+    # ping's latency; before, it waited for a whole probe to fail past the deadline
+    sw, nodes = await joined(6)
+    for node in nodes:
+        node.config = replace(node.config, ttl_s=8.0)
+    for victim in nodes[3:]:
+        sw.kill(victim)
+        peer_id = victim.table.self_id
+        since: dict[str, float] = {}
+        gone: dict[str, float] = {}
+        alive = [n for n in nodes if n.self_record().address in sw.net.nodes]
+        burials = {n.table.self_id: n.num_buried for n in alive}
+        while any(peer_id in n.table for n in alive):
+            await sw.run_for(0.05)
+            for n in alive:
+                me = n.table.self_id
+                if peer_id in n._missing:
+                    since.setdefault(me, n._missing[peer_id])
+                if peer_id not in n.table and me not in gone:
+                    gone[me] = sw.clock.t
+        buried = [n.table.self_id for n in alive if n.num_buried > burials[n.table.self_id]]
+        assert buried, (since, gone)
+        for me in buried:  # gone at ttl_s after the first miss (0.05 s steps, 2 latencies)
+            assert 8.0 <= gone[me] - since[me] <= 8.0 + 0.1, (me, since[me], gone[me])
+        await sw.run_for(10.0)  # obituaries settle before the next death
+    await sw.close()
+
+
 async def test_a_slow_path_is_not_a_death_when_others_reach_the_peer() -> None:
     sw, nodes = await joined(5)
     a, b = nodes[0], nodes[4]
