@@ -239,6 +239,10 @@ class SyncConfig:
     displacement per inner step times the stage's usual steps per round (at most 4x), so
     pairs of fast and of slow replicas move their slow weights alike (equal replicas: the
     published rule)."""
+    share_schedule: bool = True
+    """NoLoCo: average this replica's place in the inner learning-rate schedule with each
+    partner's at an outer step, so a replica slower than the rest is not left warming up
+    (equal replicas: the published rule, their places are the same)."""
     round_s: float = 0.0
     """Seconds per outer round on the clock schedule; 0: derived, H times the median of the
     stage's seconds per inner step, rounded up to a power of two (at least 4 s)."""

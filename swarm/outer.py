@@ -30,6 +30,7 @@ Nesterov momentum (lr 0.7, momentum 0.9)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,31 @@ def scale_by_steps(steps: float, ref_steps: float) -> float:
     if steps <= 0 or ref_steps <= 0:
         return 0.0 if steps <= 0 else 1.0
     return min(MAX_STEP_SCALE, ref_steps / steps)
+
+
+def pair_position(own: float, partner: float, limit: float = math.inf) -> float:
+    """A paired replica's new position in the inner learning-rate schedule: the mean of the
+    two members' positions (inner steps, in units of ``step_samples`` samples).
+
+    Our third departure for replicas of unequal speed (``docs/algorithms.md`` section 4). The
+    papers' replicas all take ``H`` inner steps per round, so their step counts, and with
+    them the warm-up and cosine schedule, stay equal. On a shared clock a replica 4x slower
+    than its partners takes a quarter of their steps; keyed on its own count it would still
+    be warming up (a fraction of the peak rate per step) when the others have decayed, so
+    its steps move its weights far less than theirs, ``scale_by_steps`` (which pools
+    displacements *per step*) would misread it, and the stage spreads apart. The position
+    is averaged with each partner, as the slow weights are: with equal replicas both
+    positions are the same and nothing changes; otherwise every replica's position tends to
+    the stage's mean steps per replica, which advances by the stage's usual steps per round,
+    the pace at which pooling moves the slow weights. Both members compute the same value
+    from the positions they offered.
+
+    ``limit``: the partner's position is first brought within ``limit`` of ours, so a
+    partner that lies about its place moves this replica's schedule by at most ``limit / 2``
+    a round (honest places differ by a few rounds' steps; a lie of step 10**12 would
+    otherwise end a victim's warm-up and decay in one round)."""
+    partner = min(max(partner, own - limit), own + limit)
+    return (own + partner) / 2
 
 
 def diloco_outer_step(

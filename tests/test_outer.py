@@ -141,3 +141,19 @@ def test_noloco_with_unequal_steps_by_hand() -> None:
     plain.apply_noloco(a, same, NoLoCoConfig())
     scaled.apply_noloco(b, same, NoLoCoConfig(), steps=5, ref_steps=5.0)
     assert a.tolist() == b.tolist()
+
+
+def test_pair_position_by_hand() -> None:
+    from swarm.outer import pair_position
+
+    assert pair_position(10.0, 30.0) == pair_position(30.0, 10.0) == 20.0  # both members agree
+    assert pair_position(7.0, 7.0) == 7.0  # equal replicas: the published rule, nothing moves
+    # gossip averaging keeps the stage's mean place: 4 replicas at 0, 8, 16, 40 (mean 16)
+    places = [0.0, 8.0, 16.0, 40.0]
+    for i, j in ((0, 3), (1, 2), (0, 1), (2, 3)):
+        places[i] = places[j] = pair_position(places[i], places[j])
+    assert sum(places) / 4 == 16.0 and max(places) - min(places) < 40.0 / 2
+    # a partner's place is first brought within the limit of ours: a lie moves us by half it
+    assert pair_position(100.0, 1e12, limit=400.0) == 300.0
+    assert pair_position(100.0, 0.0, limit=40.0) == 80.0
+    assert pair_position(100.0, 130.0, limit=40.0) == 115.0  # within it: the mean

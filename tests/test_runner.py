@@ -227,6 +227,74 @@ def test_both_members_of_a_noloco_pair_follow_the_rule() -> None:
                 assert err < 1e-6, f"round {rnd}: {key} is {err:.2e} from the rule"
 
 
+def test_a_noloco_pair_shares_its_place_in_the_learning_rate_schedule() -> None:
+    """A replica 4x slower than its partner has taken a quarter of its inner steps; keyed on
+    its own count it would still be warming up while its partner is at the peak rate. At a
+    paired outer step both take the mean place (``swarm.outer.pair_position``): 10 and 30 ->
+    20, so both step next at ``lr_at(20)``; the place travels with a copied state."""
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    warm = {"warmup_steps": "40", "lr": "1.0"}
+    slow, fast = runner(1, **warm), runner(1, **warm)
+    slow.schedule_step, fast.schedule_step = 10.0, 30.0
+    offer_slow, offer_fast = slow.outer_contribution("fp32"), fast.outer_contribution("fp32")
+    assert offer_slow[1]["position"] == 10.0
+    slow.apply_noloco(slow.decode_offer(offer_fast))
+    fast.apply_noloco(fast.decode_offer(offer_slow))
+    assert slow.schedule_step == fast.schedule_step == 20.0
+    assert slow.step == fast.step == 0  # the steps each took are their own
+    for r in (slow, fast):  # the next inner step runs at the shared place's rate
+        r.block_forward("m", x, train=True)  # two microbatches of 2 samples: one step of 4
+        r.block_backward("m", g)
+        r.block_forward("n", x, train=True)
+        r.block_backward("n", g)
+        assert r.step == 1 and r.schedule_step == 21.0
+        assert r.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(20, r.train))
+    # a solo step keeps the replica's own place
+    fast.schedule_step = 50.0
+    fast.apply_noloco(None)
+    assert fast.schedule_step == 50.0
+    # a copy takes its donor's place, not its step count
+    tensors, step, samples = fast.snapshot()
+    copier = runner(1, **warm)
+    copier.load(tensors, step, samples)
+    assert (copier.step, copier.schedule_step) == (1, 50.0)
+    # a place no honest peer sends is not taken: the copier falls back to the step
+    for bad in (math.nan, -1.0, math.inf):
+        tensors["sched.position"] = torch.tensor([bad], dtype=torch.float64)
+        copier.load(tensors, step, samples)
+        assert copier.schedule_step == 1.0
+
+
+def test_share_schedule_off_or_a_partner_that_says_no_place_keeps_its_own() -> None:
+    mine = StageRunner(resolve_config(None, {}, {"sync.share_schedule": "false"}), 1)
+    mine._build()
+    other = runner(1)
+    mine.schedule_step, other.schedule_step = 4.0, 12.0
+    assert mine.outer_contribution("fp32")[1]["position"] == -1.0  # not said
+    mine.apply_noloco(mine.decode_offer(other.outer_contribution("fp32")))
+    other.apply_noloco(other.decode_offer(mine.outer_contribution("fp32")))
+    assert (mine.schedule_step, other.schedule_step) == (4.0, 12.0)
+
+
+def test_a_partner_that_lies_about_its_place_moves_ours_by_a_bounded_step() -> None:
+    from node.stage.runner import PLACE_ROUNDS
+
+    victim, liar = runner(1), runner(1)
+    victim.schedule_step, liar.schedule_step = 100.0, 1e12
+    victim.apply_noloco(victim.decode_offer(liar.outer_contribution("fp32")))
+    limit = PLACE_ROUNDS * victim.sync.outer_steps  # 8 rounds of H = 50
+    assert victim.schedule_step == 100.0 + limit / 2
+
+
+@pytest.mark.parametrize("position", [math.nan, math.inf, -2.0, 1e13, "7", True])
+def test_an_offer_with_a_place_no_honest_peer_sends_is_refused(position: object) -> None:
+    a, b = runner(1), runner(1)
+    tensors, meta = b.outer_contribution("fp32")
+    meta["position"] = position
+    with pytest.raises(ValueError, match="position"):
+        a.decode_offer((tensors, meta))
+
+
 def pipelined_runner(staleness: str, **overrides: str) -> StageRunner:
     """A block runner fed as a head with 4 microbatches of 2 samples in flight feeds it."""
     settings = {

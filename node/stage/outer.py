@@ -34,6 +34,9 @@ from swarm.outer import (
 
 Encoded = tuple[dict[str, torch.Tensor], dict[str, Any]]
 """Tensors as they travel in a frame, and their codec metadata."""
+MAX_POSITION = 1e12
+"""The largest learning-rate schedule position an offer may say (a step count: a trillion
+inner steps is beyond any run); larger ones are refused as malformed."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class Offer:
     """Inner steps the partner took in this round (-1: not said)."""
     ref_steps: float = 0.0
     """The partner's estimate of the stage's usual inner steps per round (0: none)."""
+    position: float = -1.0
+    """The partner's position in the learning-rate schedule (-1: not said;
+    ``swarm.outer.pair_position``)."""
 
 
 class OuterState:
@@ -80,6 +86,7 @@ class OuterState:
         poison: str = "",
         steps: int = -1,
         ref_steps: float = 0.0,
+        position: float = -1.0,
     ) -> Encoded:
         """This replica's NoLoCo offer: its slow weights and pseudo-gradient, encoded.
 
@@ -88,13 +95,21 @@ class OuterState:
         step to ``phi`` in place (the partner would then receive updated weights; fp32
         encoding does not copy). ``poison``: ``sync.debug_poison``, fault injection.
         ``steps``, ``ref_steps``: the inner steps this replica took in the round and its
-        estimate of the stage's usual number (``swarm.outer.scale_by_steps``)."""
+        estimate of the stage's usual number (``swarm.outer.scale_by_steps``); ``position``:
+        its place in the learning-rate schedule (``swarm.outer.pair_position``, -1: not
+        said)."""
         phi, delta = self.phi.clone(), theta - self.phi
         if poison:  # what a hostile partner sends
             phi, delta = _poisoned(phi, poison), _poisoned(delta, poison)
         phi_t, phi_meta = encode_tensor(phi, codec, name="phi")
         d_t, d_meta = encode_tensor(delta, codec, name="delta")
-        meta = {"phi": phi_meta, "delta": d_meta, "steps": steps, "ref_steps": ref_steps}
+        meta = {
+            "phi": phi_meta,
+            "delta": d_meta,
+            "steps": steps,
+            "ref_steps": ref_steps,
+            "position": position,
+        }
         return {**phi_t, **d_t}, meta
 
     def measure(self, offer: Encoded, theta: torch.Tensor) -> Offer:
@@ -120,8 +135,16 @@ class OuterState:
             raise ValueError(f"offer's steps {steps!r} is not a count")
         if type(ref_steps) not in (int, float) or not 0 <= ref_steps <= 1e9:
             raise ValueError(f"offer's ref_steps {ref_steps!r} is not a count")
+        position = meta.get("position", -1.0)
+        # -1: not said; otherwise a step count (finite: the range excludes NaN and inf)
+        if type(position) not in (int, float) or not (
+            position == -1 or 0 <= position <= MAX_POSITION
+        ):
+            raise ValueError(f"offer's position {position!r} is not a step count")
         movement = rms_distance(theta, self.anchor)
-        return Offer(phi_j, d_j, distance, scale, movement, steps, float(ref_steps))
+        return Offer(
+            phi_j, d_j, distance, scale, movement, steps, float(ref_steps), float(position)
+        )
 
     def apply_noloco(
         self,

@@ -45,10 +45,10 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
 from node.stage.model import Attention, BlockStage, HeadStage, build_stage
-from node.stage.outer import Encoded, Offer, OuterState
+from node.stage.outer import MAX_POSITION, Encoded, Offer, OuterState
 from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
-from swarm.outer import DiLoCoConfig, NoLoCoConfig
+from swarm.outer import DiLoCoConfig, NoLoCoConfig, pair_position
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def staleness_units(config: Config) -> int:
     return max(1, -(-t.max_in_flight * config.data.batch_size // t.step_samples))
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
+def lr_at(step: float, train: TrainConfig) -> float:
     """Learning rate of inner step ``step``: linear warm-up, cosine to ``lr * min_lr_ratio``."""
     if step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
@@ -123,6 +123,13 @@ LOGITS_EVERY = 16
 more ``q @ k^T`` per block)."""
 
 
+PLACE_ROUNDS = 8
+"""How many rounds' inner steps (``H``, or the stage's usual steps per round when larger)
+a NoLoCo partner's place in the learning-rate schedule may be from ours before it is
+brought within that distance (``swarm.outer.pair_position``): honest places differ by a
+few rounds' steps, and a lie moves us by at most half of this a round."""
+
+
 class StageRunner:
     """One stage replica: weights, optimizer and saved activations, driven from one thread."""
 
@@ -138,6 +145,11 @@ class StageRunner:
         """Inner steps taken, in units of ``step_samples`` samples (``step_units`` per step)."""
         self.step_units = staleness_units(config)
         """What one optimizer step counts in ``step``: 1, or k with ``train.staleness = 2bw``."""
+        self.schedule_step = 0.0
+        """This replica's position in the learning-rate schedule, in the units of ``step``:
+        it advances with ``step`` and, with ``sync.share_schedule``, is averaged with each
+        NoLoCo partner (``swarm.outer.pair_position``), so a slow replica is not left in its
+        warm-up while the stage's others have decayed."""
         self.samples = 0
         self._acc_samples = 0
         self._acc_microbatches = 0
@@ -201,7 +213,7 @@ class StageRunner:
         """A fresh inner Adam at the scheduled learning rate of the current step."""
         return torch.optim.Adam(
             self.module.parameters(),
-            lr=lr_at(self.step, self.train),
+            lr=lr_at(self.schedule_step, self.train),
             betas=self.train.betas,
             eps=1e-8,
         )
@@ -399,7 +411,7 @@ class StageRunner:
             return False
         self.thermo.grad_norm = min(norm, self.train.clip_norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.train) * self.current_lr_scale()
+            group["lr"] = self.current_lr()
         self._weights_change()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -407,6 +419,7 @@ class StageRunner:
             for p, held in zip(params, kept, strict=True):
                 p.grad = held
         self.step += self.step_units
+        self.schedule_step += self.step_units
         self._time_step()
         return True
 
@@ -446,9 +459,12 @@ class StageRunner:
         round's inner steps and ``ref_steps`` (the stage's usual, for ``sync.scale_by_steps``;
         0 to apply the published rule as it is)."""
         theta, poison = self._theta(), self.sync.debug_poison
+        position = self.schedule_step if self.sync.share_schedule else -1.0
         if not self.sync.scale_by_steps or ref_steps <= 0:
-            return self.outer.contribution(theta, codec, poison)
-        return self.outer.contribution(theta, codec, poison, self.round_steps, ref_steps)
+            return self.outer.contribution(theta, codec, poison, position=position)
+        return self.outer.contribution(
+            theta, codec, poison, self.round_steps, ref_steps, position=position
+        )
 
     def decode_offer(self, partner: Encoded) -> Offer:
         """A partner's NoLoCo offer, decoded and measured against this replica (not applied);
@@ -457,8 +473,21 @@ class StageRunner:
 
     def apply_noloco(self, offer: Offer | None, ref_steps: float = 0.0) -> float | None:
         """NoLoCo's outer step with a screened offer (or solo); returns the slow-weight spread.
-        ``ref_steps`` as for ``outer_contribution``."""
+        ``ref_steps`` as for ``outer_contribution``. With a partner that said its place in
+        the learning-rate schedule (``sync.share_schedule`` on both), this replica takes the
+        pair's mean place (``swarm.outer.pair_position``)."""
         theta = self._theta()
+        if offer is not None and offer.position >= 0 and self.sync.share_schedule:
+            limit = PLACE_ROUNDS * max(self.sync.outer_steps, ref_steps)
+            if abs(offer.position - self.schedule_step) > limit:
+                log.warning(
+                    "partner's place in the schedule %.0f is more than %.0f steps from ours "
+                    "(%.0f): moved by at most half that",
+                    offer.position,
+                    limit,
+                    self.schedule_step,
+                )
+            self.schedule_step = pair_position(self.schedule_step, offer.position, limit)
         if not self.sync.scale_by_steps or ref_steps <= 0:
             spread = self.outer.apply_noloco(theta, offer, self.noloco)
         else:
@@ -547,6 +576,7 @@ class StageRunner:
         tensors["sched.lr_scale"] = torch.tensor(
             [self.lr_scale, float(self.lr_scale_until)], dtype=torch.float64
         )
+        tensors["sched.position"] = torch.tensor([self.schedule_step], dtype=torch.float64)
         return tensors, self.step, self.samples
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -581,6 +611,11 @@ class StageRunner:
             numel += a.numel()
         n = max(1, numel)
         return math.sqrt(sq_dist / n), math.sqrt(sq_own / n)
+
+    def current_lr(self) -> float:
+        """The learning rate the next inner step takes: the schedule at this replica's place
+        in it, times CheckFree's boost while it lasts."""
+        return lr_at(self.schedule_step, self.train) * self.current_lr_scale()
 
     def current_lr_scale(self) -> float:
         """The learning-rate multiplier at the current step."""
@@ -628,6 +663,12 @@ class StageRunner:
         else:
             self._init_outer()
         self.step, self.samples = step, samples
+        self.schedule_step = float(step)
+        position = tensors.get("sched.position")
+        if position is not None and position.shape == (1,):
+            place = float(position[0])  # a peer's number: taken only when it is a step count
+            if 0 <= place <= MAX_POSITION:
+                self.schedule_step = place
         self.outer_rounds = step // self.sync.outer_steps
         self._outer_at_step = step
         sched = tensors.get("sched.lr_scale")
