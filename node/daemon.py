@@ -250,6 +250,8 @@ class Node:
             "attn_logit_max": {str(k): v for k, v in r.thermo.attn_logit_max.items()} if r else {},
             "steps_skipped": r.grad_guard.num_spikes if r else 0,
             "lr_scale": r.current_lr_scale() if r else 1.0,
+            "lr": r.current_lr() if r else 0.0,
+            "schedule_step": round(r.schedule_step, 1) if r else 0.0,
             "counters": self._counters_with_table(),
             "peers": peers,
             "stages": {  # every stage known: counted from the table, or a peer's summary

@@ -20,6 +20,13 @@ def format_status(st: dict[str, Any]) -> str:
         f"{', leaving' if st['leaving'] else ''}, up {st['uptime_s']:.0f}s",
         f"  step {st['step']}, {st['samples']} samples, {st['throughput']:.1f} samples/s, queue {st['queue']}",
     ]
+    if st["stage"] >= 0 and "lr" in st:
+        place = st.get("schedule_step", st["step"])
+        lines[-1] += f", learning rate {st['lr']:.3g}" + (
+            f" (the stage's place in its schedule: step {place:.0f})"
+            if abs(place - st["step"]) >= 1
+            else ""
+        )
     reach = st.get("reachability")
     if reach:
         lines.append(f"  reachability: {reach['state']} ({reach['detail']})")

@@ -220,6 +220,12 @@ def _stage_families(st: dict[str, Any]) -> Iterator[Metric]:
         s,
     )
     yield _gauge(
+        "murmur_learning_rate",
+        "Inner learning rate the next step takes (the schedule at this replica's place).",
+        st.get("lr", 0.0),
+        s,
+    )
+    yield _gauge(
         "murmur_lr_scale",
         "Learning-rate multiplier now (CheckFree's boost).",
         st.get("lr_scale", 1.0),

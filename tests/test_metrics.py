@@ -68,6 +68,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_grad_norm_preclip": ("gauge", {"stage"}),
     "murmur_inner_steps_skipped": ("counter", {"stage"}),
     "murmur_lr_scale": ("gauge", {"stage"}),
+    "murmur_learning_rate": ("gauge", {"stage"}),
     "murmur_attention_logit_max": ("gauge", {"stage", "block"}),
     "murmur_peers_banned": ("counter", set()),
     "murmur_peers_refused_table_full": ("counter", set()),
@@ -160,6 +161,8 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "attn_logit_max": {"0": 11.5, "1": 12.25},
         "steps_skipped": 2,
         "lr_scale": 1.1,
+        "lr": 0.00125,
+        "schedule_step": 40.5,
         "counters": {
             "microbatches_issued": 100,
             "microbatches_completed": 90,
@@ -307,6 +310,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_attention_logit_max", stage="0", block="1") == 12.25
     assert one("murmur_inner_steps_skipped_total", stage="0") == 2
     assert one("murmur_lr_scale", stage="0") == 1.1
+    assert one("murmur_learning_rate", stage="0") == 0.00125
     assert one("murmur_reachability", state="direct") == 1.0
     assert one("murmur_reachability", state="unreachable") == 0.0
     assert one("murmur_reachability", state="relayed") == 0.0
@@ -481,3 +485,12 @@ def test_endpoint_without_a_loop_reads_directly() -> None:
     finally:
         server.close()
     assert not server._thread.is_alive()
+
+
+def test_status_text_shows_the_learning_rate_and_a_shared_place_in_the_schedule() -> None:
+    from node.display import format_status
+
+    st = head_status()
+    assert "learning rate 0.00125 (the stage's place in its schedule: step 40)" in format_status(st)
+    st["schedule_step"] = st["step"]  # its own place: nothing more to say
+    assert "learning rate 0.00125\n" in format_status(st)
