@@ -80,9 +80,22 @@ class SimulatedSwarm:
     """``replicas`` replicas of each of the ``1 + N`` stages of ``config``'s model."""
 
     def __init__(
-        self, config: Config, replicas: int, seed: int, in_flight: int = 1, window: int = 0
+        self,
+        config: Config,
+        replicas: int,
+        seed: int,
+        in_flight: int = 1,
+        window: int = 0,
+        speeds: dict[int, list[float]] | None = None,
+        clock_every: int = 0,
     ) -> None:
-        sync = replace(config.sync, schedule="steps")  # equal replicas: the schedules agree
+        # equal replicas: the schedules agree; unequal ones need the clock (``clock_every``)
+        sync = replace(config.sync, schedule="clock" if clock_every else "steps")
+        self.speeds = speeds or {}
+        """Block stage -> each replica's relative speed (stages not named: equal speeds)."""
+        self.clock_every = clock_every
+        """Global steps per round of the clock schedule (0: every H inner steps)."""
+
         self.in_flight = max(1, in_flight)
         # the emulated window is the runners' max_in_flight (train.staleness = 2bw reads it)
         train = replace(config.train, max_in_flight=window or self.in_flight)
@@ -115,7 +128,10 @@ class SimulatedSwarm:
             [eval_rng.randrange(replicas) for _ in range(self.num_stages)]
             for _ in self.eval_batches
         ]
+        self.ref_steps = {s: self._usual_steps(s) for s in range(self.num_stages)}
+        """Each stage's usual inner steps per round on the clock (``_usual_steps``)."""
         self.outer_rounds = 0
+        self.steps_done = 0
         self.mb = 0
         self.pending: deque[tuple[str, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = (
             deque()
@@ -124,18 +140,44 @@ class SimulatedSwarm:
 
     # ---- one global step ----------------------------------------------------------------
 
+    def _usual_steps(self, stage: int) -> float:
+        """On the clock: the stage's usual inner steps per round, as the daemon derives it
+        (``node.services.sync``: the period over the median of the replicas' seconds per
+        step), from the share of microbatches each replica is routed; 0 off the clock."""
+        if not self.clock_every:
+            return 0.0
+        speeds = self.speeds.get(stage) or [1.0] * self.num_replicas
+        microbatches = [
+            self.clock_every * self.num_replicas * v / sum(speeds) for v in speeds
+        ]  # per replica and round
+        per_step = self.config.train.step_samples / self.config.data.batch_size
+        seconds_per_step = [self.clock_every * per_step / m for m in microbatches]
+        return self.clock_every / statistics.median(seconds_per_step)
+
     def global_step(self) -> int:
         """Every head replica's microbatch through a random permutation of each stage's
-        replicas, forward and back; then any outer round that came due. Returns tokens."""
+        replicas (or, for a stage of unequal ``speeds``, to a replica drawn in proportion to
+        its speed, as SWARM's routing by throughput shares work), forward and back; then
+        any outer round that came due. Returns tokens."""
         perms = [list(range(self.num_replicas)) for _ in range(self.num_stages)]
         for stage in range(1, self.num_stages):
-            self.route_rng.shuffle(perms[stage])
+            if stage in self.speeds:
+                perms[stage] = self.route_rng.choices(
+                    range(self.num_replicas), weights=self.speeds[stage], k=self.num_replicas
+                )
+            else:
+                self.route_rng.shuffle(perms[stage])
         tokens = 0
         for k in range(self.num_replicas):
             path = [k] + [perms[s][k] for s in range(1, self.num_stages)]
             self._forward(path)
             while len(self.pending) > (self.in_flight - 1) * self.num_replicas:
                 tokens += self._finish()
+        self.steps_done += 1
+        if self.clock_every and self.steps_done % self.clock_every == 0:
+            for row in self.runners:
+                for r in row:
+                    r.begin_outer()
         self._synchronise()
         return tokens
 
@@ -174,7 +216,10 @@ class SimulatedSwarm:
             due = {r.sync_due for r in row}
             if due == {"outer"}:
                 method = self.config.sync.method
-                (self._noloco if method == "noloco" else self._diloco)(row)
+                if method == "noloco":
+                    self._noloco(row, self.ref_steps[row[0].stage])
+                else:
+                    self._diloco(row)
                 for r in row:
                     r.finish_sync(True)
                 self.outer_rounds += 1
@@ -185,16 +230,17 @@ class SimulatedSwarm:
                     r.apply_grads(mean)
                     r.finish_sync(False)
 
-    def _noloco(self, row: list[StageRunner]) -> None:
+    def _noloco(self, row: list[StageRunner], ref_steps: float = 0.0) -> None:
         order = list(range(len(row)))
         self.pair_rng.shuffle(order)
-        offers = {i: row[i].outer_contribution(self.config.sync.codec) for i in order}
+        codec = self.config.sync.codec
+        offers = {i: row[i].outer_contribution(codec, ref_steps) for i in order}
         for a, b in zip(order[0::2], order[1::2], strict=False):
             offer_b, offer_a = row[a].decode_offer(offers[b]), row[b].decode_offer(offers[a])
-            row[a].apply_noloco(offer_b)
-            row[b].apply_noloco(offer_a)
+            row[a].apply_noloco(offer_b, ref_steps)
+            row[b].apply_noloco(offer_a, ref_steps)
         if len(order) % 2:  # the odd replica out steps alone
-            row[order[-1]].apply_noloco(None)
+            row[order[-1]].apply_noloco(None, ref_steps)
 
     def _diloco(self, row: list[StageRunner]) -> None:
         mean = torch.stack([r.outer_delta() for r in row]).mean(0)
@@ -213,6 +259,10 @@ class SimulatedSwarm:
             losses.append(loss)
         return statistics.mean(losses)
 
+    def slow_spread(self, stage: int) -> float:
+        """``spread_of`` one stage's slow weights (what ``bench.sync_unequal`` samples live)."""
+        return spread_of([r.phi for r in self.runners[stage]])
+
     def spread(self) -> float:
         """RMS distance of each block stage's replicas from their mean, averaged."""
         out = []
@@ -222,6 +272,12 @@ class SimulatedSwarm:
             )
             out.append(float(torch.sqrt(((thetas - thetas.mean(0)) ** 2).mean())))
         return statistics.mean(out)
+
+
+def spread_of(states: list[torch.Tensor]) -> float:
+    """RMS distance of each replica's weights from the replicas' mean, averaged over them."""
+    mean = torch.stack(states).mean(0)
+    return statistics.mean(float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states)
 
 
 def simulate(

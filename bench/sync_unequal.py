@@ -12,11 +12,14 @@ outer schedule (``sync.schedule``):
   faster replica takes more inner steps per round and every replica meets the others, with
   every pseudo-gradient on one scale (``swarm.outer.scale_by_steps``);
 - ``clock_unscaled``: the same without that scaling (``sync.scale_by_steps = false``).
+- ``clock_own_lr``: the clock schedule with pooling, each replica keeping its own place in
+  the learning-rate schedule (``sync.share_schedule = false``; the default averages it with
+  each partner, ``swarm.outer.pair_position``).
 
 For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
 steps per second, and its service rate (how much slower it is); for each stage: its spread,
 the RMS distance of each replica's slow weights from the stage's mean (what NoLoCo's
-reference logs), sampled every ``--sample-s`` seconds and averaged, and the mean RMS distance
+reference logs), sampled in the middle of a round every ``--sample-s`` seconds or so and averaged, and the mean RMS distance
 to the partner at pairing (the daemon's gauge). Targets (issue 20): on the
 clock schedule at least 90 % of rounds paired on every replica, the fast replicas not held to
 the slowest one's pace, and stage 1's spread at most 2x stage 2's.
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from bench.convergence_sim import spread_of
 from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
@@ -49,6 +53,7 @@ VARIANTS = {
     "steps": {"sync.schedule": "steps"},
     "clock": {"sync.schedule": "clock"},
     "clock_unscaled": {"sync.schedule": "clock", "sync.scale_by_steps": "false"},
+    "clock_own_lr": {"sync.schedule": "clock", "sync.share_schedule": "false"},
 }
 """What is compared: the H-step rule, the clock schedule, and the clock schedule without
 pseudo-gradients on one scale (``swarm.outer.scale_by_steps``)."""
@@ -85,14 +90,18 @@ def settings(args: argparse.Namespace, variant: str) -> dict[str, str]:
     return out
 
 
-def spread_of(states: list[torch.Tensor]) -> float:
-    """RMS distance of each replica's slow weights from their mean, averaged."""
-    mean = torch.stack(states).mean(0)
-    return statistics.mean(float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states)
-
-
 def slow_weights(address: str, stage: int) -> torch.Tensor:
     return fetch_stage_state(address, stage).tensors["outer.phi"].clone()
+
+
+def to_mid_round(address: str) -> None:
+    """Sleep until the middle of a round of the grid ``address``'s stage runs on, where no
+    replica's slow weights are changing: a sample taken across a boundary mixes replicas
+    before their outer step with replicas after it, and reads as a spread several times the
+    real one (an earlier version of this benchmark sampled at fixed intervals and was hit)."""
+    period = (fetch_status(address).get("sync") or {}).get("round_s")
+    if period:
+        time.sleep((period / 2 - time.time() % period) % period)
 
 
 def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -132,6 +141,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             if swarm.dead():
                 raise RuntimeError(f"nodes died: {swarm.dead()}; logs in {log_dir}")
             for stage, names in (("1", stage1), ("2", stage2)):
+                to_mid_round(next(iter(names.values())))
                 samples[stage].append(
                     spread_of([slow_weights(everyone[n], int(stage)) for n in names])
                 )
@@ -245,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=60.0, help="seconds between spread samples")
     p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="", help="results file stem (default sync_unequal)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out")
     args = p.parse_args(argv)
@@ -256,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    name = "sync_unequal-quick" if args.quick else "sync_unequal"
+    name = args.name or ("sync_unequal-quick" if args.quick else "sync_unequal")
     if args.replot:
         result: dict[str, Any] = json.loads((args.out / f"{name}.json").read_text())
         plot(result, args.out / f"{name}.png")

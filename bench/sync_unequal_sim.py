@@ -1,0 +1,212 @@
+"""Replicas of unequal speed in one process: what each part of the clock schedule's rule buys.
+
+``bench/sync_unequal.py`` runs real processes, but a ten-minute run holds only about ten
+rounds of four replicas, and its spread ratio moved from 1.3 to 2.4 between runs of the same
+code: too few rounds and pairings to tell the variants of the rule apart. This runs the same
+shape of swarm in one process, deterministically, on the daemon's own runners and outer
+steps (``bench/convergence_sim.py``), so that many rounds and seeds fit:
+
+- block stage 1: four replicas, two at full speed, one 2x and one 4x slower (each
+  microbatch goes to a replica drawn in proportion to its speed, as routing by throughput
+  shares the work, so a fast replica takes about four times the slowest one's inner steps);
+- block stage 2: four equal replicas, the control;
+- NoLoCo rounds on the clock: every ``--round`` global steps for everyone, paired at random,
+  with the stage's usual steps per round derived as the daemon derives it.
+
+Variants (``sync.*`` settings): ``shared`` (the default rule: pseudo-gradients pooled per
+inner step and the place in the learning-rate schedule averaged with the partner),
+``own_lr`` (pooled, each replica on its own schedule), ``unpooled`` (the schedule shared,
+pseudo-gradients as they are) and ``published`` (the published rule on the clock: neither).
+For each: the spread of the slow weights (RMS distance of each replica from its stage's
+mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
+data and same routes for every variant.
+
+Writes ``bench/results/sync_unequal_sim.json`` and ``.png``.
+Usage: ``python -m bench.sync_unequal_sim [--rounds 30] [--seeds 0,1,2]``; ``--quick`` for
+the seconds-long smoke run the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.convergence_sim import SimulatedSwarm
+from node.config import resolve_config
+
+RESULTS = Path(__file__).parent / "results"
+SPEEDS = [1.0, 1.0, 0.5, 0.25]
+"""Stage 1's replicas: relative speeds (two fast, one 2x and one 4x slower)."""
+VARIANTS = {
+    "shared": {},
+    "own_lr": {"sync.share_schedule": "false"},
+    "unpooled": {"sync.scale_by_steps": "false"},
+    "published": {"sync.share_schedule": "false", "sync.scale_by_steps": "false"},
+}
+SETTINGS = {
+    "swarm.num_block_stages": "2",
+    "sync.method": "noloco",
+    "sync.outer_steps": "10",
+    "data.batch_size": "8",
+    "data.seq_len": "64",
+    "train.eval_batches": "8",
+}
+"""Microbatches of 8 x 64 tokens, H = 10. With one microbatch per inner step
+(``--step-samples 8``) and 8 global steps a round, a fast replica takes about 12 inner steps
+a round and the 4x slower one about 3, as in the live benchmark; ``--step-samples 32`` with
+``--round 33`` keeps those counts with steps four times larger."""
+
+
+def log(msg: str) -> None:
+    print(f"[sync_unequal_sim {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    extra = {"node.threads": str(args.threads), "train.step_samples": str(args.step_samples)}
+    if args.total_steps:
+        extra["train.total_steps"] = str(args.total_steps)
+        extra["train.warmup_steps"] = str(args.warmup_steps)
+    config = resolve_config(overrides={**SETTINGS, **VARIANTS[variant], **extra})
+    swarm = SimulatedSwarm(config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round)
+    spreads: dict[str, list[float]] = {"1": [], "2": []}
+    t0 = time.monotonic()
+    for _ in range(args.rounds):
+        for _ in range(args.round):
+            swarm.global_step()
+        for stage in spreads:
+            spreads[stage].append(swarm.slow_spread(int(stage)))
+    eval_loss = swarm.evaluate()
+    mean = {stage: statistics.mean(values) for stage, values in spreads.items()}
+    steps = {stage: [r.step for r in swarm.runners[stage]] for stage in (1, 2)}
+    places = {stage: [r.schedule_step for r in swarm.runners[stage]] for stage in (1, 2)}
+    out = {
+        "variant": variant,
+        "seed": seed,
+        "spread": spreads,
+        "spread_mean": mean,
+        "spread_ratio": mean["1"] / mean["2"],
+        "eval_loss": eval_loss,
+        "inner_steps": {str(k): v for k, v in steps.items()},
+        "schedule_places": {str(k): v for k, v in places.items()},
+        "usual_steps": {str(k): v for k, v in swarm.ref_steps.items()},
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    log(
+        f"{variant}, seed {seed}: spread ratio {out['spread_ratio']:.2f} (stage 1 "
+        f"{mean['1']:.2e}, stage 2 {mean['2']:.2e}), eval {eval_loss:.4f}, stage-1 steps "
+        f"{steps[1]}, places {[round(p) for p in places[1]]}, {out['wall_s']:.0f} s"
+    )
+    return out
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = {}
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == variant]
+        ratios = [r["spread_ratio"] for r in mine]
+        summary[variant] = {
+            "spread_ratio_mean": statistics.mean(ratios),
+            "spread_ratio": ratios,
+            "spread_unequal_mean": statistics.mean(r["spread_mean"]["1"] for r in mine),
+            "spread_equal_mean": statistics.mean(r["spread_mean"]["2"] for r in mine),
+            "eval_loss_mean": statistics.mean(r["eval_loss"] for r in mine),
+        }
+    return summary
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    variants = list(result["summary"])
+    for i, variant in enumerate(variants):
+        mine = [r for r in result["runs"] if r["variant"] == variant]
+        rounds = range(1, len(mine[0]["spread"]["1"]) + 1)
+        for stage, style in (("1", "-"), ("2", ":")):
+            mean = [
+                statistics.mean(v) for v in zip(*(r["spread"][stage] for r in mine), strict=True)
+            ]
+            label = f"{variant}, stage {stage}" + (" (unequal)" if stage == "1" else " (equal)")
+            axes[0].semilogy(
+                rounds, [max(m, 1e-7) for m in mean], style, color=f"C{i}", label=label
+            )
+        ratios = result["summary"][variant]["spread_ratio"]
+        axes[1].scatter([i] * len(ratios), ratios, color=f"C{i}", alpha=0.6)
+        axes[1].bar(i, result["summary"][variant]["spread_ratio_mean"], color=f"C{i}", alpha=0.3)
+    axes[0].set_title("slow weights' spread after each round (mean over seeds)")
+    axes[0].set_xlabel("round")
+    axes[0].legend(fontsize=7)
+    axes[1].axhline(2.0, color="grey", lw=0.8, ls="--")
+    axes[1].set_xticks(range(len(variants)))
+    axes[1].set_xticklabels(
+        [f"{v}\neval {result['summary'][v]['eval_loss_mean']:.3f}" for v in variants]
+    )
+    axes[1].set_title("spread ratio, unequal stage / equal stage (each seed, and the mean)")
+    fig.suptitle("NoLoCo on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--round", type=int, default=8, help="global steps per round")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument(
+        "--step-samples",
+        type=int,
+        default=8,
+        help="samples per inner step (8: one microbatch; the live benchmark's steps are 256, "
+        "where a displacement is mostly the gradient's direction rather than its noise)",
+    )
+    p.add_argument(
+        "--total-steps",
+        type=int,
+        default=0,
+        help="the learning-rate schedule's length (0: the daemon's, 3000; shorter: the run "
+        "reaches the decay, where replicas on their own schedules stand furthest apart)",
+    )
+    p.add_argument("--warmup-steps", type=int, default=20, help="with --total-steps")
+    p.add_argument("--name", default="", help="results file stem (default sync_unequal_sim)")
+    p.add_argument("--quick", action="store_true", help="seconds: the test's smoke run")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seeds = 3, "0"
+        args.threads = 1  # a test shares the machine: two threads there only spin
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    runs = [
+        run(variant, int(seed), args)
+        for seed in args.seeds.split(",")
+        for variant in args.variants.split(",")
+    ]
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    result = {"settings": {**settings, **SETTINGS, "speeds": SPEEDS}, "runs": runs}
+    result["summary"] = summarise(runs)
+    for variant, s in result["summary"].items():
+        log(f"{variant}: spread ratio {s['spread_ratio_mean']:.2f} {s['spread_ratio']}")
+    name = args.name or ("sync_unequal_sim-quick" if args.quick else "sync_unequal_sim")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.no_plot:
+        plot(result, args.out / f"{name}.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()
