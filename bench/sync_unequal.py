@@ -19,7 +19,8 @@ outer schedule (``sync.schedule``):
 For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
 steps per second, and its service rate (how much slower it is); for each stage: its spread,
 the RMS distance of each replica's slow weights from the stage's mean (what NoLoCo's
-reference logs), sampled in the middle of a round every ``--sample-s`` seconds or so and averaged, and the mean RMS distance
+reference logs), sampled in the middle of a round (at most one a round, at least
+``--sample-s`` apart) and averaged, and the mean RMS distance
 to the partner at pairing (the daemon's gauge). Targets (issue 20): on the
 clock schedule at least 90 % of rounds paired on every replica, the fast replicas not held to
 the slowest one's pace, and stage 1's spread at most 2x stage 2's.
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from bench import save
 from bench.convergence_sim import spread_of
 from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
@@ -94,14 +96,21 @@ def slow_weights(address: str, stage: int) -> torch.Tensor:
     return fetch_stage_state(address, stage).tensors["outer.phi"].clone()
 
 
-def to_mid_round(address: str) -> None:
+def to_mid_round(address: str, every_s: float = 0.0) -> None:
     """Sleep until the middle of a round of the grid ``address``'s stage runs on, where no
     replica's slow weights are changing: a sample taken across a boundary mixes replicas
     before their outer step with replicas after it, and reads as a spread several times the
-    real one (an earlier version of this benchmark sampled at fixed intervals and was hit)."""
+    real one (an earlier version of this benchmark sampled at fixed intervals and was hit).
+    ``every_s``: the middle of the first round that leaves at least that long since the
+    last middle (one sample a round when it is shorter than a round)."""
     period = (fetch_status(address).get("sync") or {}).get("round_s")
-    if period:
-        time.sleep((period / 2 - time.time() % period) % period)
+    if not period:
+        time.sleep(every_s)
+        return
+    if not every_s and period / 4 <= time.time() % period <= 3 * period / 4:
+        return  # in the middle half already
+    wait = max(0.0, every_s - period)
+    time.sleep(wait + (period / 2 - (time.time() + wait) % period) % period)
 
 
 def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -137,11 +146,11 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         start = snapshot(everyone)
         samples: dict[str, list[float]] = {"1": [], "2": []}
         while time.monotonic() - t0 < args.minutes * 60:
-            time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 - (time.monotonic() - t0))))
+            to_mid_round(stage1["fast-a"], args.sample_s)
             if swarm.dead():
                 raise RuntimeError(f"nodes died: {swarm.dead()}; logs in {log_dir}")
             for stage, names in (("1", stage1), ("2", stage2)):
-                to_mid_round(next(iter(names.values())))
+                to_mid_round(next(iter(names.values())))  # stage 2 may run another grid
                 samples[stage].append(
                     spread_of([slow_weights(everyone[n], int(stage)) for n in names])
                 )
@@ -280,10 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs.append(run(schedule, args, log_dir))
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs}
     result["settings"]["out"] = str(args.out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_plot:
-        plot(result, args.out / f"{name}.png")
+    save(result, args.out, name, None if args.no_plot else plot)
     return result
 
 

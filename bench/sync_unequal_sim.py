@@ -29,13 +29,13 @@ the seconds-long smoke run the tests use.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import save
 from bench.convergence_sim import SimulatedSwarm
 from node.config import resolve_config
 
@@ -201,10 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for variant, s in result["summary"].items():
         log(f"{variant}: spread ratio {s['spread_ratio_mean']:.2f} {s['spread_ratio']}")
     name = args.name or ("sync_unequal_sim-quick" if args.quick else "sync_unequal_sim")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_plot:
-        plot(result, args.out / f"{name}.png")
+    save(result, args.out, name, None if args.no_plot else plot)
     return result
 
 
