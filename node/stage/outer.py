@@ -39,6 +39,12 @@ MAX_POSITION = 1e12
 inner steps is beyond any run); larger ones are refused as malformed."""
 
 
+def is_place(value: object) -> bool:
+    """Whether a peer's ``value`` is a place in the learning-rate schedule this replica may
+    take: a number from 0 to ``MAX_POSITION`` (NaN and inf fall outside the range)."""
+    return type(value) in (int, float) and 0 <= value <= MAX_POSITION  # type: ignore[operator]
+
+
 @dataclass(frozen=True)
 class Offer:
     """A partner's decoded NoLoCo offer and how far it lies from this replica."""
@@ -137,9 +143,7 @@ class OuterState:
             raise ValueError(f"offer's ref_steps {ref_steps!r} is not a count")
         position = meta.get("position", -1.0)
         # -1: not said; otherwise a step count (finite: the range excludes NaN and inf)
-        if type(position) not in (int, float) or not (
-            position == -1 or 0 <= position <= MAX_POSITION
-        ):
+        if position != -1 and not is_place(position):
             raise ValueError(f"offer's position {position!r} is not a step count")
         movement = rms_distance(theta, self.anchor)
         return Offer(

@@ -45,7 +45,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
 from node.stage.model import Attention, BlockStage, HeadStage, build_stage
-from node.stage.outer import MAX_POSITION, Encoded, Offer, OuterState
+from node.stage.outer import Encoded, Offer, OuterState, is_place
 from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
 from swarm.outer import DiLoCoConfig, NoLoCoConfig, pair_position
@@ -667,7 +667,7 @@ class StageRunner:
         position = tensors.get("sched.position")
         if position is not None and position.shape == (1,):
             place = float(position[0])  # a peer's number: taken only when it is a step count
-            if 0 <= place <= MAX_POSITION:
+            if is_place(place):
                 self.schedule_step = place
         self.outer_rounds = step // self.sync.outer_steps
         self._outer_at_step = step
