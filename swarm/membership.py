@@ -20,7 +20,13 @@ Protocol"), ``docs/algorithms.md`` section 11:
   news reaches every table in a few network round trips, no node misses it but with
   probability about e^-(fanout + piggybacks), and a quiet swarm repeats nothing.
 - **Failure detection.** Every ``heartbeat_s`` (jittered) a node pings the next member of a
-  shuffled round-robin list (every member is pinged within one pass). A member that does
+  shuffled round-robin list (every member is pinged within one pass), and the member it
+  *watches* (the next on the ring of its own stage's peer ids) when nothing has passed
+  between them for ``WATCH_ROUNDS`` rounds: a bare ping, no news. Random pings alone reach
+  each member about once a round, so the wait for a death's first miss is exponential, and
+  one death in a hundred waits over 4.6 rounds at any size; a watcher misses it within
+  about two rounds. Rapid (Suresh et al. 2018, "Stable and Consistent Membership at Scale
+  with Rapid") watches each member from its neighbours on rings of ids. A member that does
   not answer is probed through ``indirect_probes`` others (a ``Probe``: maybe only our path
   to it is broken) and pinged again every round; one that no probe reaches for ``ttl_s``,
   and that has not spoken to the prober itself in that time, is buried and its
@@ -44,7 +50,8 @@ Protocol"), ``docs/algorithms.md`` section 11:
   carries grow with a few stages, not the swarm. News goes only to members holding the
   stage it is about; a probe carries ``SUMMARIES_PER_MESSAGE`` ``StageSummary`` s of stages
   the receiver does not hold (a welcome all of them), and each node keeps the freshest of
-  each. A newcomer whose bootstrap holds another neighbourhood greets a member of its own
+  each; every ``FAR_EVERY_S`` or so it greets a random far stage's contact for its welcome's
+  summaries (long links: otherwise a summary crosses the ring one neighbourhood a hop). A newcomer whose bootstrap holds another neighbourhood greets a member of its own
   (a summary's contact, or a greeter its bootstrap kept in its lobby; failing both, the
   contact of the nearest stage it knows, nearer each time), who spreads the join; a node
   that moves tells its old neighbourhood itself. ``view`` is what the daemon's planners
@@ -115,6 +122,14 @@ SUMMARIES_PER_MESSAGE = 4
 """Stage summaries one probe carries (in turn over the stages the receiver does not hold),
 when tables hold a neighbourhood: every node sends one probe a round and is probed about
 once, so it hears of every stage every ``stages / SUMMARIES_PER_MESSAGE`` rounds or so."""
+WATCH_ROUNDS = 1.5
+"""A node pings the member it watches (the next on its stage's ring of ids) once they have
+not spoken for this many rounds: every two rounds at most, if nothing else passes between
+them."""
+FAR_EVERY_S = 30.0
+"""Mean seconds between a node's greetings of a far stage's contact (with neighbourhood
+tables), whose welcome brings its summaries of every stage: news of a stage otherwise travels
+the ring of stages one neighbourhood at a time, a minute and more across 80 stages."""
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
 PUSH_DELAY_S = 0.1
@@ -206,6 +221,7 @@ class MembershipService:
         self._greeted_contacts: dict[str, float] = {}  # contact address -> when greeted
         self._answered_far: set[str] = set()  # addresses that welcomed us from outside our scope
         self._lobby: dict[int, list[tuple[PeerRecord, float]]] = {}  # far greeters per stage
+        self._far_next_s: float | None = None  # when we next greet a far stage's contact
         self._push: asyncio.Task[None] | None = None
         self._order: list[str] = []  # this pass of the round-robin, next target last
         self._missing: dict[str, float] = {}  # member -> when a probe first missed it
@@ -254,8 +270,10 @@ class MembershipService:
         pushes = min(self.config.fanout, max(1, n - 1))
         per_node = pushes * (RECORD_BYTES + EXCHANGE_BYTES) + self._piggybacks(n) * RECORD_BYTES
         budget = self.config.budget_bytes_per_s
-        if self.table.scope is not None:  # each probe carries some, in and out
+        if self.table.scope is not None:  # each probe carries some, in and out, and each
             summaries = 2 * SUMMARIES_PER_MESSAGE * SUMMARY_BYTES / self.config.heartbeat_s
+            far = len(self._stages()) * SUMMARY_BYTES + RECORD_BYTES + EXCHANGE_BYTES
+            summaries += 2 * far / FAR_EVERY_S  # far greeting brings all (we answer as many)
             budget = max(budget / 2, budget - summaries)
         return max(self.config.heartbeat_s, n * per_node * 2 / budget)
 
@@ -529,6 +547,45 @@ class MembershipService:
             if held is None or as_of > held[1]:
                 self._far[summary.stage] = (summary, as_of)
 
+    def _far_contact(self, now: float, held: set[str]) -> str | None:
+        """Every ``FAR_EVERY_S`` or so (jittered, so that nodes do not bunch), the contact of
+        a random stage we do not hold: random long links make the stages' summaries spread
+        through the whole swarm in a few exchanges, not one neighbourhood per hop."""
+        if self.table.scope is None or self.table.stage < 0:
+            return None
+        if self._far_next_s is None:  # just arrived: the welcome brought summaries
+            self._far_next_s = now + FAR_EVERY_S * self.rng.random()
+        if now < self._far_next_s:
+            return None
+        self._far_next_s = now + FAR_EVERY_S * (0.5 + self.rng.random())
+        contacts = sorted(
+            summary.contact
+            for stage, (summary, _) in self._far.items()
+            if not self.table.covers(stage) and summary.contact and summary.contact not in held
+        )
+        return self.rng.choice(contacts) if contacts else None
+
+    async def _ask_far(self, address: str) -> None:
+        """Greet a far stage's contact for its summaries (not its table: it holds none of
+        ours), taking nothing else from its welcome."""
+        hello = Hello(
+            swarm=self.swarm,
+            fingerprint=self.fingerprint,
+            sender=self.current(),
+            peers=[],
+            want_table=True,
+        )
+        try:
+            welcome = expect(
+                await self.transport.request(address, hello, self.config.request_timeout_s),
+                Welcome,
+            )
+        except (TransportError, ValueError) as e:
+            log.debug("far hello to %s failed: %s", address, e)
+            return
+        if (welcome.swarm, welcome.fingerprint) == (self.swarm, self.fingerprint):
+            self._take_summaries(welcome.stages)
+
     def _contacts_due(self, now: float, held: set[str]) -> set[str]:
         """Addresses to greet for the stages we hold no record of though we should (we just
         joined or moved there): the contacts their summaries name, each at most every
@@ -626,6 +683,9 @@ class MembershipService:
         self._missing = {p: self._missing[p] for p in missing}
         self._others_missed &= set(missing)
         probes = [self._probe_once(p) for p in dict.fromkeys([*missing, *target])]
+        watched = self._watched()
+        if watched is not None and watched not in (*missing, *target) and self._due(watched, now):
+            probes.append(self._probe_once(watched, bare=True))
         held = {p.address for p in self.table.records()} | {self.self_record().address}
         if not len(self.table):
             self._answered_far.clear()  # we hold nobody: greet everyone we know of again
@@ -633,6 +693,8 @@ class MembershipService:
         greet = {a for a in (*self.bootstrap, *self._sighted) if a not in answered}
         greet |= self._lost_due(now, held) | self._contacts_due(now, held)
         self._sighted -= greet
+        if (far := self._far_contact(now, held)) is not None:
+            self._spawn(self._ask_far(far))
         await asyncio.gather(*probes, *(self.contact(a) for a in sorted(greet)))
         self.num_rounds += 1
 
@@ -646,20 +708,40 @@ class MembershipService:
         self.rng.shuffle(self._order)
         return [self._order.pop()] if self._order else []
 
-    async def _probe_once(self, peer_id: str) -> None:
+    def _watched(self) -> str | None:
+        """The member we watch: the one after us on the ring of our stage's peer ids (sorted,
+        wrapping round), if our stage has another member."""
+        stage = self.self_record().stage
+        if stage < 0:
+            return None
+        ring = sorted(r.peer_id for r in self.table.records() if r.stage == stage)
+        me = self.table.self_id
+        return next((p for p in ring if p > me), ring[0]) if ring else None
+
+    def _due(self, watched: str, now: float) -> bool:
+        """Whether the member we watch has been silent (no ping between us either way) for
+        ``WATCH_ROUNDS`` rounds."""
+        silent_s = self.table.silent_s(watched, now)
+        return silent_s is None or silent_s >= WATCH_ROUNDS * self.config.heartbeat_s
+
+    async def _probe_once(self, peer_id: str, bare: bool = False) -> None:
         task = self._probing.get(peer_id)
         if task is None or task.done():
-            task = self._probing[peer_id] = self._spawn(self._probe(peer_id))
+            task = self._probing[peer_id] = self._spawn(self._probe(peer_id, bare))
         await asyncio.shield(task)
 
-    async def _probe(self, peer_id: str) -> None:
+    async def _probe(self, peer_id: str, bare: bool = False) -> None:
         """Ping a member, then through others; bury it once none reached it for ``ttl_s``
-        (checked after each failed ping, once others have failed to reach it too)."""
+        (checked after each failed ping, once others have failed to reach it too). A
+        ``bare`` ping (a watcher's) carries no news or summaries and asks for no record."""
         record = self.table.get(peer_id)
         if record is None:
             return
         start = self.clock.now()
-        msg = self._ping_msg(*self._piggyback(record.stage), stage=record.stage)
+        if bare:
+            msg = self._ping_msg([], [], ask_record=False)
+        else:
+            msg = self._ping_msg(*self._piggyback(record.stage), stage=record.stage)
         if await self._ping(record, msg):
             self._found(peer_id)
             return
