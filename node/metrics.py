@@ -455,6 +455,12 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         "misbehaves; its proposals are refused for the rest of the round).",
         sync.get("promises_lapsed", 0),
     )
+    yield _counter(
+        "murmur_sync_places_clamped",
+        "NoLoCo partners whose place in the learning-rate schedule was more than "
+        "PLACE_ROUNDS rounds' steps from ours, brought within that before averaging.",
+        sync.get("places_clamped", 0),
+    )
     if "in_progress" in sync:
         yield _gauge(
             "murmur_sync_in_progress",

@@ -104,6 +104,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_sync_bytes": ("counter", {"direction"}),
     "murmur_sync_in_progress": ("gauge", set()),
     "murmur_sync_promises_lapsed": ("counter", set()),
+    "murmur_sync_places_clamped": ("counter", set()),
     "murmur_replica_spread_rms": ("gauge", set()),
     "murmur_recoveries": ("counter", {"kind"}),
     "murmur_recovery_duration_seconds": ("summary", set()),

@@ -284,6 +284,11 @@ def test_a_partner_that_lies_about_its_place_moves_ours_by_a_bounded_step() -> N
     victim.apply_noloco(victim.decode_offer(liar.outer_contribution("fp32")))
     limit = PLACE_ROUNDS * victim.sync.outer_steps  # 8 rounds of H = 50
     assert victim.schedule_step == 100.0 + limit / 2
+    assert victim.places_clamped == 1  # counted (murmur_sync_places_clamped)
+    honest = runner(1)
+    honest.schedule_step = victim.schedule_step + limit  # at the bound: not clamped
+    victim.apply_noloco(victim.decode_offer(honest.outer_contribution("fp32")))
+    assert victim.places_clamped == 1
 
 
 @pytest.mark.parametrize("position", [math.nan, math.inf, -2.0, 1e13, "7", True])

@@ -365,6 +365,7 @@ class StageSync:
             "in_progress": self.running,
             "typical_distance": self.screen.typical(),
             "promises_lapsed": self.gossip.num_lapsed,
+            "places_clamped": self.runner.places_clamped,
         }
 
 

@@ -150,6 +150,9 @@ class StageRunner:
         it advances with ``step`` and, with ``sync.share_schedule``, is averaged with each
         NoLoCo partner (``swarm.outer.pair_position``), so a slow replica is not left in its
         warm-up while the stage's others have decayed."""
+        self.places_clamped = 0
+        """Partners' places in the schedule further from ours than ``PLACE_ROUNDS`` rounds'
+        steps (brought within that before averaging: a peer that lies, or a bug)."""
         self.samples = 0
         self._acc_samples = 0
         self._acc_microbatches = 0
@@ -480,6 +483,7 @@ class StageRunner:
         if offer is not None and offer.position >= 0 and self.sync.share_schedule:
             limit = PLACE_ROUNDS * max(self.sync.outer_steps, ref_steps)
             if abs(offer.position - self.schedule_step) > limit:
+                self.places_clamped += 1
                 log.warning(
                     "partner's place in the schedule %.0f is more than %.0f steps from ours "
                     "(%.0f): moved by at most half that",
