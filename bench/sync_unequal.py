@@ -145,10 +145,12 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         t0 = time.monotonic()
         start = snapshot(everyone)
         samples: dict[str, list[float]] = {"1": [], "2": []}
+        sampled_s: list[float] = []  # seconds since t0 of each stage-1 sample
         while time.monotonic() - t0 < args.minutes * 60:
             to_mid_round(stage1["fast-a"], args.sample_s)
             if swarm.dead():
                 raise RuntimeError(f"nodes died: {swarm.dead()}; logs in {log_dir}")
+            sampled_s.append(round(time.monotonic() - t0, 1))
             for stage, names in (("1", stage1), ("2", stage2)):
                 to_mid_round(next(iter(names.values())))  # stage 2 may run another grid
                 samples[stage].append(
@@ -191,6 +193,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
     result = {
         "schedule": schedule,
         "wall_s": round(wall_s, 1),
+        "sampled_s": sampled_s,
         "eval_loss": eval_loss,
         "replicas": replicas,
         "stages": stages,
@@ -238,7 +241,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for i, run_ in enumerate(runs):
         for stage, style in (("1", "-"), ("2", ":")):
             samples = run_["stages"][stage]["spread_samples"]
-            minutes = [(k + 1) * result["settings"]["sample_s"] / 60 for k in range(len(samples))]
+            # when each was taken (older results: one every sample_s, which mid-round
+            # sampling only approximates)
+            at_s = run_.get("sampled_s") or [
+                (k + 1) * result["settings"]["sample_s"] for k in range(len(samples))
+            ]
+            minutes = [t / 60 for t in at_s]
             label = f"{run_['schedule']}, stage {stage}" + (" (unequal)" if stage == "1" else "")
             axes[2].semilogy(
                 minutes, [max(s, 1e-6) for s in samples], style, color=f"C{i}", label=label
