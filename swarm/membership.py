@@ -222,6 +222,7 @@ class MembershipService:
         self._answered_far: set[str] = set()  # addresses that welcomed us from outside our scope
         self._lobby: dict[int, list[tuple[PeerRecord, float]]] = {}  # far greeters per stage
         self._far_next_s: float | None = None  # when we next greet a far stage's contact
+        self._far_failed: dict[str, float] = {}  # far contacts that failed -> when
         self._push: asyncio.Task[None] | None = None
         self._order: list[str] = []  # this pass of the round-robin, next target last
         self._missing: dict[str, float] = {}  # member -> when a probe first missed it
@@ -547,10 +548,13 @@ class MembershipService:
             if held is None or as_of > held[1]:
                 self._far[summary.stage] = (summary, as_of)
 
-    def _far_contact(self, now: float, held: set[str]) -> str | None:
-        """Every ``FAR_EVERY_S`` or so (jittered, so that nodes do not bunch), the contact of
-        a random stage we do not hold: random long links make the stages' summaries spread
-        through the whole swarm in a few exchanges, not one neighbourhood per hop."""
+    def _far_contact(self, now: float, held: set[str]) -> tuple[int, str] | None:
+        """Every ``FAR_EVERY_S`` or so (jittered, so that nodes do not bunch), a random stage
+        we do not hold and its contact: random long links make the stages' summaries spread
+        through the whole swarm in a few exchanges, not one neighbourhood per hop. A contact
+        that failed (no welcome, another swarm, another stage) is not greeted again for
+        ``LOST_FORGET_S``: a summary may name any address, and without that a member that
+        lies in its summaries could turn every node's greetings on an outsider."""
         if self.table.scope is None or self.table.stage < 0:
             return None
         if self._far_next_s is None:  # just arrived: the welcome brought summaries
@@ -558,15 +562,19 @@ class MembershipService:
         if now < self._far_next_s:
             return None
         self._far_next_s = now + FAR_EVERY_S * (0.5 + self.rng.random())
+        self._far_failed = {a: t for a, t in self._far_failed.items() if now - t < LOST_FORGET_S}
         contacts = sorted(
-            summary.contact
+            (stage, summary.contact)
             for stage, (summary, _) in self._far.items()
-            if not self.table.covers(stage) and summary.contact and summary.contact not in held
+            if not self.table.covers(stage)
+            and summary.contact
+            and summary.contact not in held
+            and summary.contact not in self._far_failed
         )
         return self.rng.choice(contacts) if contacts else None
 
-    async def _ask_far(self, address: str) -> None:
-        """Greet a far stage's contact for its summaries (not its table: it holds none of
+    async def _ask_far(self, stage: int, address: str) -> None:
+        """Greet ``stage``'s contact for its summaries (not its table: it holds none of
         ours), taking nothing else from its welcome."""
         hello = Hello(
             swarm=self.swarm,
@@ -582,9 +590,13 @@ class MembershipService:
             )
         except (TransportError, ValueError) as e:
             log.debug("far hello to %s failed: %s", address, e)
+            self._far_failed[address] = self.clock.now()
             return
-        if (welcome.swarm, welcome.fingerprint) == (self.swarm, self.fingerprint):
-            self._take_summaries(welcome.stages)
+        ours = (welcome.swarm, welcome.fingerprint) == (self.swarm, self.fingerprint)
+        if not ours or welcome.sender.stage != stage:
+            self._far_failed[address] = self.clock.now()
+            return
+        self._take_summaries(welcome.stages)
 
     def _contacts_due(self, now: float, held: set[str]) -> set[str]:
         """Addresses to greet for the stages we hold no record of though we should (we just
@@ -694,7 +706,7 @@ class MembershipService:
         greet |= self._lost_due(now, held) | self._contacts_due(now, held)
         self._sighted -= greet
         if (far := self._far_contact(now, held)) is not None:
-            self._spawn(self._ask_far(far))
+            self._spawn(self._ask_far(*far))
         await asyncio.gather(*probes, *(self.contact(a) for a in sorted(greet)))
         self.num_rounds += 1
 

@@ -646,3 +646,30 @@ async def test_far_greetings_spread_every_stage_summary_through_a_long_ring(
     known = statistics.median(a for a in ages if a is not None)
     slow = statistics.median(a for a in hop_by_hop if a is not None)
     assert known < 0.85 * slow, (known, slow)
+
+
+async def test_a_far_contact_that_does_not_answer_is_not_greeted_again() -> None:
+    # a member that lies in its summaries (every far stage's contact an outsider's address,
+    # always the freshest) gets one greeting sent there, not one every FAR_EVERY_S
+    sw, nodes = await neighbourhoods(24)
+    node = nodes[4]  # stage 4: holds 3, 4 and 5
+    outsider = "10.9.9.9:1"
+    greeted: list[float] = []
+    request = node.transport.request
+
+    async def logged(address, msg, timeout_s, peer_id=""):  # type: ignore[no-untyped-def]
+        if address == outsider:
+            greeted.append(sw.clock.t)
+        return await request(address, msg, timeout_s, peer_id)
+
+    node.transport.request = logged  # type: ignore[method-assign]
+    lies = [StageSummary(s, 9, 9, 1.0, 1, 0.0, outsider) for s in (0, 1, 2, 6, 7)]
+    node._far_next_s = sw.clock.t
+    for _ in range(150):
+        node.handle_ping(Ping(sender="p3", stages=lies))
+        await sw.run_for(1.0)
+    assert len(greeted) == 1, greeted
+    # while honest contacts keep answering: its summaries of far stages stay fresh
+    await sw.run_for(5.0)
+    assert max(s.age_s for s in node.summaries().values()) < 60.0
+    await sw.close()
