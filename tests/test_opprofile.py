@@ -43,6 +43,17 @@ def test_without_a_wait_the_times_are_taken_as_measured() -> None:
     assert s["phases_cpu_s"]["outside operators"] == pytest.approx(0.2)
 
 
+def test_operators_never_take_more_than_the_threads_cpu() -> None:
+    # a loaded machine: 0.6 s of operators by the wall clock, 0.4 s on a core and no wait
+    # recorded; the phases still add up to the thread's CPU, operators all of it
+    s = summarise([("aten::mm", 2, 0.45, 0.45), ("aten::add_", 2, 0.15, 0.15)], 1.0, 0.4)
+    assert s["operators_cpu_s"] == pytest.approx(0.4)
+    assert s["phases_cpu_s"] == pytest.approx(
+        {"backward": 0.0, "optimizer": 0.0, "other operators": 0.4, "outside operators": 0.0}
+    )
+    assert s["ops"][0]["self_cpu_s"] == pytest.approx(0.3)
+
+
 def _train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
     for _ in range(steps):
         model(torch.randn(8, 32)).square().mean().backward()

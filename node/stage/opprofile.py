@@ -101,9 +101,15 @@ def summarise(
     Backward and optimizer time are their annotations' inclusive time (the autograd engine
     runs one backward function at a time, so they do not nest); the rest of the operators'
     self time is ``other operators``; the thread's remaining CPU is ``outside operators``.
-    Operator times are scaled to CPU by ``cpu / (cpu + wait)``.
+    Operator times are scaled to CPU by ``cpu / (cpu + wait)``, and further where they would
+    still add up to more than the thread's CPU (on a loaded machine the wall-clock operator
+    times also hold preemptions that the scheduler's wait figure does not cover): operators
+    cannot have taken more of the thread's CPU than it had, and the phases add up to it.
     """
     scale = cpu_s / (cpu_s + wait_s) if cpu_s > 0 else 1.0
+    timed = sum(row[2] for row in ops)
+    if cpu_s > 0 and scale * timed > cpu_s:
+        scale = cpu_s / timed
     in_ops = scale * sum(row[2] for row in ops)
     backward = scale * sum(row[3] for row in ops if row[0].startswith(BACKWARD_PREFIX))
     optimizer = scale * sum(row[3] for row in ops if row[0].startswith(OPTIMIZER_PREFIX))
