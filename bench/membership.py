@@ -458,6 +458,21 @@ def measure_real(
             1,
         )
         say(f"real n={n}: steady {row['frame_bytes_per_node_per_s']:.0f} frame B/s per node")
+        if ring is not None:  # summaries of the populated stages a node does not hold
+            ages, missing = [], 0
+            for address, st in statuses(live).items():
+                for stage in range(1, REAL_STAGES):
+                    if holds(stages[address], stage):
+                        continue
+                    known = st["stages"].get(str(stage))
+                    if known is None:
+                        missing += 1
+                    else:
+                        ages.append(known["age_s"])
+            row["summary_age_s_median"] = round(statistics.median(ages), 1) if ages else None
+            row["summary_age_s_max"] = round(max(ages), 1) if ages else None
+            row["summaries_missing"], row["summaries_checked"] = missing, len(ages)
+            say(f"real n={n}: far summaries {statistics.median(ages) if ages else None} s old")
         death_s, join_s = [], []
         rng = random.Random(0)
         for _ in range(events):

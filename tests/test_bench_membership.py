@@ -49,3 +49,4 @@ def test_real_processes_report_what_the_simulation_does(tmp_path: Path) -> None:
     ttl = result["config"]["ttl_s"]
     assert real["death_gone_s"][0] < ttl + membership.DEATH_MARGIN_S + 2.0  # polling
     assert real["join_visible_s"][0] < membership.JOIN_TARGET_S
+    assert real["summaries_checked"] > 0  # each daemon's status shows far stages' summaries
