@@ -405,14 +405,16 @@ def near(stage: int, other: int) -> bool:
     return EIGHT.covers(stage, other)
 
 
-async def neighbourhoods(n: int) -> tuple[Swarm, list[MembershipService]]:
-    """``n`` nodes on 8 stages (node i on stage i % 8), all joining through node 0 (stage
-    0, whose table holds stages 7, 0 and 1 only)."""
+async def neighbourhoods(
+    n: int, ring: Neighbourhood = EIGHT, settle_s: float = 15.0
+) -> tuple[Swarm, list[MembershipService]]:
+    """``n`` nodes on the ring's stages (node i on stage i % 8 with the default's 8), all
+    joining through node 0 (stage 0, whose table holds stages 7, 0 and 1 only)."""
     sw = Swarm()
-    nodes = [sw.add(i, stage=i % 8, scope=EIGHT) for i in range(n)]
+    nodes = [sw.add(i, stage=i % ring.num_stages, scope=ring) for i in range(n)]
     for node in nodes[1:]:
         node.add_bootstrap(["10.0.0.0:7070"])
-    await sw.run_for(15.0)
+    await sw.run_for(settle_s)
     return sw, nodes
 
 
@@ -511,11 +513,7 @@ async def test_a_newcomer_its_bootstrap_knows_no_contact_for_walks_to_its_stages
     # with many stages a far bootstrap may have no summary yet of the newcomer's stages:
     # the newcomer greets the nearest stage's contact it knows, and so on towards its own
     sixteen = Neighbourhood(16)
-    sw = Swarm()
-    nodes = [sw.add(i, stage=i % 16, scope=sixteen) for i in range(48)]
-    for node in nodes[1:]:
-        node.add_bootstrap(["10.0.0.0:7070"])
-    await sw.run_for(60.0)
+    sw, nodes = await neighbourhoods(48, sixteen, settle_s=60.0)
     boot = nodes[0]  # stage 0
     for stage in (7, 8, 9):  # it has heard nothing of stage 8's neighbourhood
         boot._far.pop(stage, None)
@@ -614,11 +612,7 @@ async def far_summaries(far_every_s: float, monkeypatch: pytest.MonkeyPatch) -> 
     stages formed (two nodes a stage, joined through node 0); None where missing."""
     monkeypatch.setattr(membership, "FAR_EVERY_S", far_every_s)
     ring = Neighbourhood(40)
-    sw = Swarm()
-    nodes = [sw.add(i, stage=i % 40, scope=ring) for i in range(80)]
-    for node in nodes[1:]:
-        node.add_bootstrap(["10.0.0.0:7070"])
-    await sw.run_for(60.0)
+    sw, nodes = await neighbourhoods(80, ring, settle_s=60.0)
     ages = []
     for node in nodes[:40]:
         known = node.summaries()
