@@ -329,6 +329,8 @@ async def measure(
 MEMBERSHIP_KINDS = ("hello", "welcome", "ping", "pong", "probe", "leave")
 REAL_STAGES = 7
 """The tiny model's 6 blocks, one a stage, and the head's (which the real run leaves empty)."""
+REAL_BATCH = 8
+"""Real daemons started at a time (each batch ready before the next)."""
 REAL_SETTINGS = {
     "node.join_wait_s": "1.0",
     "swarm.num_block_stages": str(REAL_STAGES - 1),
@@ -412,11 +414,26 @@ def measure_real(
     def knows(st: dict[str, Any], peer_id: str) -> bool:
         return any(p["peer_id"] == peer_id for ps in st["peers"].values() for p in ps)
 
+    def quiet(addresses: list[str]) -> tuple[int, int]:
+        """Burials and false alarms answered so far, over every node."""
+        sts = statuses(addresses).values()
+        return (
+            sum(st["membership"]["buried"] for st in sts),
+            sum(st["membership"]["incarnation"] - 1 for st in sts),
+        )
+
     try:
-        live = [start(i) for i in range(n)]
+        # in batches, each ready before the next starts: 64 daemons importing torch at once
+        # on two cores stall their event loops for seconds, and the probes that time out
+        # meanwhile bury live nodes by the thousand (the same with the code before the
+        # watcher); volunteers do not all start in one second
+        live = []
+        for first in range(0, n, REAL_BATCH):
+            batch = [start(i) for i in range(first, min(n, first + REAL_BATCH))]
+            for address in batch:
+                wait_ready(address, 600.0, swarm)
+            live += batch
         say(f"real n={n}: started, waiting for every table to hold everyone it should")
-        for address in live:
-            wait_ready(address, 600.0, swarm)
         deadline = time.monotonic() + 300
         incomplete = set(live)
         while incomplete:
@@ -429,6 +446,18 @@ def measure_real(
                     f"{len(incomplete)} tables incomplete after 300 s; logs in {log_dir}"
                 )
             time.sleep(1.0)
+        # quiet: no burial or false alarm for 20 s (start-up may still cause some)
+        settle_t0, last, still_since = time.monotonic(), quiet(live), time.monotonic()
+        while time.monotonic() - still_since < 20.0 and time.monotonic() - settle_t0 < 300:
+            time.sleep(2.0)
+            now_ = quiet(live)
+            if now_ != last:
+                last, still_since = now_, time.monotonic()
+        buried_at_start, false_alarms_at_start = last
+        say(
+            f"real n={n}: {buried_at_start} burials, {false_alarms_at_start} false alarms "
+            f"before quiet ({time.monotonic() - settle_t0:.0f} s)"
+        )
         time.sleep(10.0)  # joins spread, first refreshes
         before = dict(zip(live, pool.map(lambda a: scrape(metrics[a]), live), strict=True))
         t0 = time.monotonic()
@@ -450,6 +479,9 @@ def measure_real(
             "frame_bytes_per_node_per_s": round(statistics.fmean(frames), 1),
             "frame_bytes_per_node_per_s_max": round(max(frames), 1),
             "requests_sent_per_node_per_s": round(statistics.fmean(requests), 2),
+            "start_batch": REAL_BATCH,
+            "buried_at_start": buried_at_start,
+            "false_alarms_at_start": false_alarms_at_start,
         }
         # a request and its reply, at both ends: the sim's overhead per exchange, twice
         row["bytes_per_node_per_s"] = round(
