@@ -329,6 +329,8 @@ async def measure(
 MEMBERSHIP_KINDS = ("hello", "welcome", "ping", "pong", "probe", "leave")
 REAL_STAGES = 7
 """The tiny model's 6 blocks, one a stage, and the head's (which the real run leaves empty)."""
+NETNS_PORT, NETNS_METRICS_PORT = 7070, 9090
+"""With ``--netns`` every daemon has an address of its own, so the same ports."""
 REAL_BATCH = 8
 """Real daemons started at a time (each batch ready before the next)."""
 REAL_SETTINGS = {
@@ -340,11 +342,11 @@ REAL_SETTINGS = {
 }
 
 
-def scrape(metrics_port: int) -> dict[str, float]:
+def scrape(metrics_address: str) -> dict[str, float]:
     """Membership frame bytes (in + out) and requests sent, from a node's /metrics."""
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read()
     out = {"frame_bytes": 0.0, "requests": 0.0}
     for line in text.decode().splitlines():
         if not any(f'kind="{k}"' in line for k in MEMBERSHIP_KINDS):
@@ -357,16 +359,20 @@ def scrape(metrics_port: int) -> dict[str, float]:
 
 
 def measure_real(
-    n: int, steady_s: float, events: int, latency_ms: float, tables: str
+    n: int, steady_s: float, events: int, latency_ms: float, tables: str, netns: bool = False
 ) -> dict[str, Any]:
-    """``n`` real ``node join`` processes on loopback (block stages only: no head, so no
+    """``n`` real ``node join`` processes on loopback, or each in a network namespace of its
+    own on one bridge (``netns``, ``tests/netns.py``), block stages only (no head, so no
     training), each adding ``latency_ms`` to what it sends, their tables of the kind
     ``tables``: the steady traffic from their /metrics, then ``events`` times a node killed
     (SIGKILL) and a new one started."""
     import os
     import signal
+    import subprocess
+    import sys
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
+    from typing import IO
 
     from node.client import fetch_status
     from node.demo import LocalSwarm, free_port, wait_ready
@@ -381,8 +387,20 @@ def measure_real(
         settings["net.inject_latency_s"] = str(latency_ms / 1e3)
     log_dir = Path(tempfile.mkdtemp(prefix="murmuration-membership-"))
     swarm = LocalSwarm(log_dir, settings)
-    metrics: dict[str, int] = {}  # address -> metrics port
+    metrics: dict[str, str] = {}  # address -> its /metrics' host:port
     stages: dict[str, int] = {}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: list[IO[bytes]] = []
+    lab = None
+    if netns:
+        from tests.netns import Lab, netns_available
+
+        ok, why = netns_available()
+        if not ok:
+            raise SystemExit(f"--netns needs network namespaces: {why}")
+        lab = Lab.create(n + events)  # a host for each newcomer too
+        lab.reach_from_root()  # to poll /status and /metrics from here
+    free_hosts = iter(lab.hosts if lab else [])
     pool = ThreadPoolExecutor(16)
 
     taken: set[int] = set()
@@ -394,11 +412,26 @@ def measure_real(
         return p
 
     def start(i: int) -> str:
-        mport = port()
-        address = swarm.start_node(
-            1 + i % (REAL_STAGES - 1), port=port(), extra=["--set", f"net.metrics_port={mport}"]
-        )
-        metrics[address], stages[address] = mport, 1 + i % (REAL_STAGES - 1)
+        stage = 1 + i % (REAL_STAGES - 1)
+        if lab is None:
+            mport = port()
+            extra = ["--set", f"net.metrics_port={mport}"]
+            address = swarm.start_node(stage, port=port(), extra=extra)
+            procs[address], metrics[address] = swarm.procs[-1][1], f"127.0.0.1:{mport}"
+        else:
+            host = next(free_hosts)
+            address = f"{host.address}:{NETNS_PORT}"
+            cmd = [sys.executable, "-m", "node", "join", "--stage", str(stage)]
+            cmd += ["--listen", address, "--swarm", swarm.swarm, "--no-zeroconf"]
+            if procs:
+                cmd += ["--bootstrap", next(iter(procs))]
+            own = {"net.metrics_port": str(NETNS_METRICS_PORT), "net.metrics_host": "0.0.0.0"}
+            for key, value in {**settings, **own}.items():
+                cmd += ["--set", f"{key}={value}"]
+            logs.append(open(log_dir / f"stage{stage}-{host.name}.log", "wb"))  # noqa: SIM115
+            procs[address] = host.popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT)
+            metrics[address] = f"{host.address}:{NETNS_METRICS_PORT}"
+        stages[address] = stage
         return address
 
     def statuses(addresses: list[str]) -> dict[str, dict[str, Any]]:
@@ -477,6 +510,7 @@ def measure_real(
             "frame_bytes_per_node_per_s": round(statistics.fmean(frames), 1),
             "frame_bytes_per_node_per_s_max": round(max(frames), 1),
             "requests_sent_per_node_per_s": round(statistics.fmean(requests), 2),
+            "network": "a namespace each, one bridge" if lab else "loopback",
             "start_batch": REAL_BATCH,
             "buried_at_start": buried_at_start,
         }
@@ -507,8 +541,7 @@ def measure_real(
         for _ in range(events):
             victim = rng.choice(live[1:])
             victim_id = statuses([victim])[victim]["peer_id"]
-            proc = next(p for name, p, _ in swarm.procs if name.endswith(victim.rsplit(":")[1]))
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(procs[victim].pid, signal.SIGKILL)
             killed_at = time.monotonic()
             live.remove(victim)
             while any(knows(st, victim_id) for st in statuses(live).values()):
@@ -538,14 +571,18 @@ def measure_real(
         return row
     finally:
         swarm.stop()
+        if lab is not None:
+            lab.close()  # its processes, namespaces and bridge
+        for log in logs:
+            log.close()
         pool.shutdown()
 
 
 def real_against_sim(
-    n: int, steady_s: float, events: int, latency_ms: float, tables: str
+    n: int, steady_s: float, events: int, latency_ms: float, tables: str, netns: bool = False
 ) -> dict[str, Any]:
     """The real processes' figures beside the simulation's of the same idle swarm."""
-    row = measure_real(n, steady_s, events, latency_ms, tables)
+    row = measure_real(n, steady_s, events, latency_ms, tables, netns)
     sim = asyncio.run(
         measure(
             n,
@@ -562,13 +599,19 @@ def real_against_sim(
 
 
 def real_rows(earlier: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The real run's row with ``--real``, in place of an earlier one of the same size and
-    tables (an earlier row without ``tables`` had whole ones)."""
+    """The real run's row with ``--real``, in place of an earlier one of the same size,
+    tables and network (an earlier row without ``tables`` had whole ones, without
+    ``network`` ran on loopback)."""
     if not args.real:
         return earlier
-    row = real_against_sim(args.real, args.steady_s, args.events, args.latency_ms, args.tables)
-    key = (row["n"], row["tables"])
-    kept = [r for r in earlier if (r["n"], r.get("tables", "whole swarm")) != key]
+    row = real_against_sim(
+        args.real, args.steady_s, args.events, args.latency_ms, args.tables, args.netns
+    )
+
+    def key(r: dict[str, Any]) -> tuple[int, str, str]:
+        return r["n"], r.get("tables", "whole swarm"), r.get("network", "loopback")
+
+    kept = [r for r in earlier if key(r) != key(row)]
     return [*kept, row]
 
 
@@ -624,6 +667,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--real", type=int, default=0, help="also this many real processes")
+    ap.add_argument(
+        "--netns", action="store_true", help="each real process in a network namespace of its own"
+    )
     ap.add_argument("--events", type=int, default=3, help="deaths and joins among them")
     ap.add_argument("--quick", action="store_true", help="sizes 20,60, a short churn")
     ap.add_argument("--out", type=Path, default=RESULTS / "membership.json")
