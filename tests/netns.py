@@ -32,6 +32,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,6 +122,8 @@ class Lab:
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
     iptables_rules: list[list[str]] = field(default_factory=list)
     split_bridge: str | None = None  # made by split(): the second side of a partition
+    neigh_limits: dict[str, str] = field(default_factory=dict)
+    """The kernel's ARP table limits before ``create`` raised them (restored by ``close``)."""
     closed: bool = False
 
     @classmethod
@@ -132,6 +135,7 @@ class Lab:
         net = f"10.{20 + secrets.randbelow(200)}.{secrets.randbelow(256)}"
         lab = cls(prefix=prefix, bridge=f"{prefix}br", net=net)
         try:
+            lab._room_for_neighbours(n)
             _ip("link", "add", lab.bridge, "type", "bridge", "mcast_snooping", "0")
             _ip("link", "set", lab.bridge, "up")
             lab._allow_forwarding(lab.bridge)
@@ -141,6 +145,22 @@ class Lab:
             lab.close()
             raise
         return lab
+
+    def _room_for_neighbours(self, n: int) -> None:
+        """Raise the kernel's ARP table limits for ``n`` hosts that all talk to each other.
+        The limits are global, not per namespace, and the default hard limit (1024 entries)
+        overflows at about 32 hosts: the kernel then drops new neighbours ("neighbor table
+        overflow") and hosts stop reaching each other at random."""
+        need = 2 * n * n + 1024
+        for level, share in (("gc_thresh1", 4), ("gc_thresh2", 2), ("gc_thresh3", 1)):
+            path = Path(f"/proc/sys/net/ipv4/neigh/default/{level}")
+            try:
+                old = path.read_text().strip()
+                if int(old) < need // share:
+                    path.write_text(str(need // share))
+                    self.neigh_limits[level] = old
+            except (OSError, ValueError):
+                return  # not ours to change: small labs still fit
 
     def _allow_forwarding(self, bridge: str) -> None:
         # Bridged frames traverse iptables FORWARD when br_netfilter is loaded, and Docker sets
@@ -304,6 +324,9 @@ class Lab:
         if self.split_bridge is not None:
             _ip("link", "del", self.split_bridge, check=False)
         _ip("link", "del", self.bridge, check=False)
+        for level, old in self.neigh_limits.items():
+            with contextlib.suppress(OSError):
+                Path(f"/proc/sys/net/ipv4/neigh/default/{level}").write_text(old)
 
     def __enter__(self) -> Lab:
         return self
