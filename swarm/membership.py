@@ -51,7 +51,8 @@ Protocol"), ``docs/algorithms.md`` section 11:
   stage it is about; a probe carries ``SUMMARIES_PER_MESSAGE`` ``StageSummary`` s of stages
   the receiver does not hold (a welcome all of them), and each node keeps the freshest of
   each; every ``FAR_EVERY_S`` or so it greets a random far stage's contact for its welcome's
-  summaries (long links: otherwise a summary crosses the ring one neighbourhood a hop). A newcomer whose bootstrap holds another neighbourhood greets a member of its own
+  summaries (long links: otherwise a summary crosses the ring one neighbourhood a hop). A
+  newcomer whose bootstrap holds another neighbourhood greets a member of its own
   (a summary's contact, or a greeter its bootstrap kept in its lobby; failing both, the
   contact of the nearest stage it knows, nearer each time), who spreads the join; a node
   that moves tells its old neighbourhood itself. ``view`` is what the daemon's planners
@@ -576,18 +577,8 @@ class MembershipService:
     async def _ask_far(self, stage: int, address: str) -> None:
         """Greet ``stage``'s contact for its summaries (not its table: it holds none of
         ours), taking nothing else from its welcome."""
-        hello = Hello(
-            swarm=self.swarm,
-            fingerprint=self.fingerprint,
-            sender=self.current(),
-            peers=[],
-            want_table=True,
-        )
         try:
-            welcome = expect(
-                await self.transport.request(address, hello, self.config.request_timeout_s),
-                Welcome,
-            )
+            welcome = await self._hello(address, [], want_table=True)
         except (TransportError, ValueError) as e:
             log.debug("far hello to %s failed: %s", address, e)
             self._far_failed[address] = self.clock.now()
@@ -695,10 +686,11 @@ class MembershipService:
         self._missing = {p: self._missing[p] for p in missing}
         self._others_missed &= set(missing)
         probes = [self._probe_once(p) for p in dict.fromkeys([*missing, *target])]
-        watched = self._watched()
+        own = self.self_record()
+        watched = self._watched(own.stage)
         if watched is not None and watched not in (*missing, *target) and self._due(watched, now):
             probes.append(self._probe_once(watched, bare=True))
-        held = {p.address for p in self.table.records()} | {self.self_record().address}
+        held = {p.address for p in self.table.records()} | {own.address}
         if not len(self.table):
             self._answered_far.clear()  # we hold nobody: greet everyone we know of again
         answered = held | self._answered_far  # a bootstrap outside our scope is not held
@@ -720,10 +712,9 @@ class MembershipService:
         self.rng.shuffle(self._order)
         return [self._order.pop()] if self._order else []
 
-    def _watched(self) -> str | None:
+    def _watched(self, stage: int) -> str | None:
         """The member we watch: the one after us on the ring of our stage's peer ids (sorted,
-        wrapping round), if our stage has another member."""
-        stage = self.self_record().stage
+        wrapping round), if our ``stage`` has another member."""
         if stage < 0:
             return None
         ring = sorted(r.peer_id for r in self.table.records() if r.stage == stage)
@@ -917,20 +908,26 @@ class MembershipService:
 
     # -- hello, ping, probe, leave ---------------------------------------------------------
 
-    async def contact(self, address: str, introduce: bool = False, share: bool = True) -> bool:
-        """Greet the node at ``address`` (our record and table, theirs back; an
-        introduction sends neither table; without ``share``, ours is not sent: a stage's
-        contact holds its stage better than we do); False if it did not answer."""
+    async def _hello(self, address: str, peers: list[PeerRecord], want_table: bool) -> Welcome:
+        """Our record (and ``peers``) to ``address``; its welcome, not yet checked for our
+        swarm. ``TransportError`` or ``ValueError`` when it does not welcome us."""
         hello = Hello(
             swarm=self.swarm,
             fingerprint=self.fingerprint,
             sender=self.current(),
-            peers=[] if introduce or not share else self.table.records(),
-            want_table=not introduce,
+            peers=peers,
+            want_table=want_table,
         )
+        reply = await self.transport.request(address, hello, self.config.request_timeout_s)
+        return expect(reply, Welcome)
+
+    async def contact(self, address: str, introduce: bool = False, share: bool = True) -> bool:
+        """Greet the node at ``address`` (our record and table, theirs back; an
+        introduction sends neither table; without ``share``, ours is not sent: a stage's
+        contact holds its stage better than we do); False if it did not answer."""
         try:
-            reply = await self.transport.request(address, hello, self.config.request_timeout_s)
-            welcome = expect(reply, Welcome)
+            peers = [] if introduce or not share else self.table.records()
+            welcome = await self._hello(address, peers, want_table=not introduce)
         except (TransportError, ValueError) as e:
             log.debug("hello to %s failed: %s", address, e)
             return False

@@ -110,7 +110,7 @@ def summarise(
     timed = sum(row[2] for row in ops)
     if cpu_s > 0 and scale * timed > cpu_s:
         scale = cpu_s / timed
-    in_ops = scale * sum(row[2] for row in ops)
+    in_ops = scale * timed
     backward = scale * sum(row[3] for row in ops if row[0].startswith(BACKWARD_PREFIX))
     optimizer = scale * sum(row[3] for row in ops if row[0].startswith(OPTIMIZER_PREFIX))
     return {
