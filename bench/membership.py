@@ -369,10 +369,8 @@ def measure_real(
     import os
     import signal
     import subprocess
-    import sys
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
-    from typing import IO
 
     from node.client import fetch_status
     from node.demo import LocalSwarm, free_port, wait_ready
@@ -390,7 +388,6 @@ def measure_real(
     metrics: dict[str, str] = {}  # address -> its /metrics' host:port
     stages: dict[str, int] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    logs: list[IO[bytes]] = []
     lab = None
     if netns:
         from tests.netns import Lab, netns_available
@@ -417,20 +414,14 @@ def measure_real(
             mport = port()
             extra = ["--set", f"net.metrics_port={mport}"]
             address = swarm.start_node(stage, port=port(), extra=extra)
-            procs[address], metrics[address] = swarm.procs[-1][1], f"127.0.0.1:{mport}"
+            metrics[address] = f"127.0.0.1:{mport}"
         else:
             host = next(free_hosts)
-            address = f"{host.address}:{NETNS_PORT}"
-            cmd = [sys.executable, "-m", "node", "join", "--stage", str(stage)]
-            cmd += ["--listen", address, "--swarm", swarm.swarm, "--no-zeroconf"]
-            if procs:
-                cmd += ["--bootstrap", next(iter(procs))]
-            own = {"net.metrics_port": str(NETNS_METRICS_PORT), "net.metrics_host": "0.0.0.0"}
-            for key, value in {**settings, **own}.items():
-                cmd += ["--set", f"{key}={value}"]
-            logs.append(open(log_dir / f"stage{stage}-{host.name}.log", "wb"))  # noqa: SIM115
-            procs[address] = host.popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT)
+            extra = ["--set", f"net.metrics_port={NETNS_METRICS_PORT}"]
+            extra += ["--set", "net.metrics_host=0.0.0.0"]
+            address = swarm.start_node(stage, port=NETNS_PORT, extra=extra, host=host)
             metrics[address] = f"{host.address}:{NETNS_METRICS_PORT}"
+        procs[address] = swarm.procs[-1][1]
         stages[address] = stage
         return address
 
@@ -573,8 +564,6 @@ def measure_real(
         swarm.stop()
         if lab is not None:
             lab.close()  # its processes, namespaces and bridge
-        for log in logs:
-            log.close()
         pool.shutdown()
 
 

@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from node.client import fetch_status, operator_auth, request_eval
 from node.config import parse_sets
@@ -64,8 +65,18 @@ def free_port() -> int:
         return got
 
 
+class Host(Protocol):
+    """Somewhere else to run a node: an address of its own and a way to start a process
+    there (``tests.netns.Host``, a network namespace)."""
+
+    name: str
+    address: str
+
+    def popen(self, args: Sequence[str], **kw: Any) -> subprocess.Popen[Any]: ...
+
+
 class LocalSwarm:
-    """Real ``node join`` processes on loopback, reaped on exit."""
+    """Real ``node join`` processes on loopback (or on given hosts), reaped on exit."""
 
     def __init__(self, log_dir: Path, settings: dict[str, str], config: str | None = None) -> None:
         self.log_dir = log_dir
@@ -75,22 +86,19 @@ class LocalSwarm:
         self.procs: list[tuple[str, subprocess.Popen[bytes], IO[bytes]]] = []
         self.addresses: list[str] = []
 
-    def start_node(self, stage: int | str, port: int = 0, extra: list[str] | None = None) -> str:
+    def start_node(
+        self,
+        stage: int | str,
+        port: int = 0,
+        extra: list[str] | None = None,
+        host: Host | None = None,
+    ) -> str:
+        """Start a node of ``stage`` listening on ``port`` (a free one if 0) of 127.0.0.1, or
+        of ``host`` when given; every node after the first bootstraps from the first."""
         port = port or free_port()
-        address = f"127.0.0.1:{port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "node",
-            "join",
-            "--stage",
-            str(stage),
-            "--listen",
-            address,
-            "--swarm",
-            self.swarm,
-            "--no-zeroconf",
-        ]
+        address = f"{host.address if host else '127.0.0.1'}:{port}"
+        cmd = [sys.executable, "-m", "node", "join", "--stage", str(stage)]
+        cmd += ["--listen", address, "--swarm", self.swarm, "--no-zeroconf"]
         if self.addresses:
             cmd += ["--bootstrap", self.addresses[0]]
         if self.config:
@@ -98,9 +106,10 @@ class LocalSwarm:
         for key, value in self.settings.items():
             cmd += ["--set", f"{key}={value}"]
         cmd += extra or []
-        name = f"stage{stage}-{port}"
+        name = f"stage{stage}-{host.name if host else port}"
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        launch = host.popen if host else subprocess.Popen
+        proc = launch(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((name, proc, log))
         self.addresses.append(address)
         return address
