@@ -41,7 +41,7 @@ import torch
 
 from bench.convergence_sim import Curve, simulate
 from node.client import fetch_status, request_eval
-from node.config import TrainConfig, resolve_config
+from node.config import TrainConfig, parse_sets, resolve_config
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 
@@ -75,6 +75,7 @@ def study_settings(args: argparse.Namespace, method: str) -> dict[str, str]:
         "sync.outer_steps": str(args.outer_steps),
         "train.total_steps": str(max(steps, int(SETTINGS["train.warmup_steps"]) + 1)),
         "node.threads": str(args.threads),
+        **args.sets,
     }
 
 
@@ -289,6 +290,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="model preset")
     p.add_argument("--outer-steps", type=int, default=50, help="H (NoLoCo's default: 50)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the simulation")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="sets",
+        metavar="SECTION.FIELD=VALUE",
+        help="a setting over the study's (as node join's --set), for a diagnostic run",
+    )
     p.add_argument("--min-gap", type=float, default=0.03, help="independent vs DP gap needed")
     p.add_argument("--check", action="store_true", help="also the check against the live swarm")
     p.add_argument("--check-only", action="store_true", help="only the live check")
@@ -305,6 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replot", action="store_true")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in str(args.seeds).split(",")]
+    args.sets = parse_sets(args.sets)
     if args.quick:
         args.tokens, args.replicas, args.seeds, args.outer_steps = 60_000, 4, [0], 5
         args.threads = 1  # a test shares the machine: two threads there only spin
