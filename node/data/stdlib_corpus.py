@@ -43,8 +43,8 @@ def default_cache_dir() -> Path:
     return Path(base) / "murmuration"
 
 
-def _stdlib_files(root: Path) -> list[str]:
-    """Relative posix paths of the stdlib's .py files outside the skipped dirs, sorted."""
+def _py_files(root: Path) -> list[str]:
+    """Relative posix paths of the .py files under ``root`` outside the skipped dirs, sorted."""
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_STDLIB_DIRS]
@@ -87,23 +87,24 @@ def _pydoc_topics(tree: ast.Module) -> Iterator[tuple[str, str]]:
                     yield f"topics[{key.value}]", value.value
 
 
-def _build_stdlib_corpus() -> list[Document]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+def docstring_documents(root: Path, prefix: str, topics: str | None = None) -> list[Document]:
+    """A document for every docstring of at least ``_MIN_DOCSTRING_CHARS`` in the .py files
+    under ``root`` (and, for the file ``topics``, pydoc's topic texts), ids ``prefix:path:name``."""
     docs: list[Document] = []
     seen: set[str] = set()
-    for rel in _stdlib_files(root):
+    for rel in _py_files(root):
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # invalid escapes in old stdlib sources
+                warnings.simplefilter("ignore")  # invalid escapes in old sources
                 tree = ast.parse((root / rel).read_bytes(), filename=rel)
         except (SyntaxError, ValueError, OSError, RecursionError):
             continue
-        pieces = _pydoc_topics(tree) if rel == _PYDOC_TOPICS else _docstrings(tree)
+        pieces = _pydoc_topics(tree) if rel == topics else _docstrings(tree)
         for qualname, raw in pieces:
             text = inspect.cleandoc(raw)
             if len(text) < _MIN_DOCSTRING_CHARS:
                 continue
-            doc_id = f"stdlib:{rel}:{qualname}"
+            doc_id = f"{prefix}:{rel}:{qualname}"
             # Conditional definitions (if/else, try/except) can repeat a qualname.
             base, n = doc_id, 1
             while doc_id in seen:
@@ -112,6 +113,10 @@ def _build_stdlib_corpus() -> list[Document]:
             seen.add(doc_id)
             docs.append(Document(doc_id, text))
     return docs
+
+
+def _build_stdlib_corpus() -> list[Document]:
+    return docstring_documents(Path(sysconfig.get_paths()["stdlib"]), "stdlib", _PYDOC_TOPICS)
 
 
 def _corpus_cache_path(cache_dir: Path) -> Path:

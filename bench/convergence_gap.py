@@ -1,0 +1,222 @@
+"""Why NoLoCo ends above data parallel in the convergence study: the diagnostic runs.
+
+The study (``bench/convergence.py``, 4 replicas per stage, 5M tokens) finds NoLoCo 7.8 %
+above data parallel where the NoLoCo paper reports the two level. Each variant here is one
+``bench.convergence`` run of seed 0 that changes one thing, to tell apart what the gap
+could be:
+
+- how often replicas meet (``noloco_h10``, ``noloco_h25`` against the study's H = 50);
+- gossip against averaging every replica's weights after every inner step
+  (``average_every_step``: DiLoCo's all-reduce with H = 1, outer learning rate 1 and no
+  momentum, so every replica holds the mean of the replicas' Adam steps at every step);
+- a smaller step (``dp_half_lr``: data parallel at half the learning rate);
+- the budget (``noloco_15m`` against ``dp_15m``: three times the tokens, the schedule
+  stretched to match);
+- the corpus (``site_noloco`` against ``site_dp``: the embedded corpus holds about 1.9M
+  training tokens, so 5M tokens pass over it 2.7 times and 15M eight times; these two train
+  on the docstrings of the installed packages, ``bench/site_corpus.py``, about 34M tokens,
+  so 5M tokens see each head's shard 0.15 times).
+
+``--run NAMES`` runs variants (each about 16 minutes with two at once on two cores; the
+15M-token ones about 45) and keeps each one's ``convergence.json`` as
+``results/convergence_gap/NAME.json``; without it the script only assembles what is there
+into ``results/convergence_gap.json`` (every variant's final loss and its gap to data
+parallel at each evaluation) and draws ``results/convergence_gap.png``. The 5M-token
+variants are measured against the study's own data parallel run (seed 0, the same tokens,
+schedule and data order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "convergence_gap"
+STUDY = RESULTS / "convergence.json"
+SITE_CORPUS = Path(tempfile.gettempdir()) / "murmuration-site-corpus.jsonl"
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    method: str
+    args: tuple[str, ...]
+    tokens: int = 5_000_000
+    reference: str = "study"
+    """What the gap is taken against: the study's data parallel run, or a variant's name."""
+    site_corpus: bool = False
+    """Trains on ``SITE_CORPUS`` (built first if missing) instead of the embedded corpus."""
+
+
+VARIANTS: dict[str, Variant] = {
+    "noloco_h10": Variant("NoLoCo, H = 10", "noloco", ("--outer-steps", "10")),
+    "noloco_h25": Variant("NoLoCo, H = 25", "noloco", ("--outer-steps", "25")),
+    "average_every_step": Variant(
+        "all 4 replicas' weights averaged after every inner step",
+        "diloco",
+        ("--set", "sync.outer_steps=1", "--set", "sync.diloco_lr=1.0")
+        + ("--set", "sync.diloco_momentum=0"),
+    ),
+    "dp_half_lr": Variant(
+        "data parallel, half the learning rate", "allreduce", ("--set", "train.lr=1e-3")
+    ),
+    "noloco_15m": Variant(
+        "NoLoCo, H = 50, 15M tokens", "noloco", (), tokens=15_000_000, reference="dp_15m"
+    ),
+    "dp_15m": Variant(
+        "data parallel, 15M tokens", "allreduce", (), tokens=15_000_000, reference="dp_15m"
+    ),
+}
+SITE = ("--set", f"data.path={SITE_CORPUS}")
+VARIANTS["site_noloco"] = Variant(
+    "NoLoCo, H = 50, a corpus of 34M tokens", "noloco", SITE, reference="site_dp", site_corpus=True
+)
+VARIANTS["site_dp"] = Variant(
+    "data parallel, a corpus of 34M tokens",
+    "allreduce",
+    SITE,
+    reference="site_dp",
+    site_corpus=True,
+)
+STUDY_CURVES = {  # the study's seed-0 runs shown beside the variants
+    "noloco": "NoLoCo, H = 50 (the study)",
+    "diloco": "DiLoCo, H = 50 (the study)",
+    "none": "independent replicas (the study)",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[convergence_gap {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(name: str, threads: int) -> None:
+    """One variant through ``bench.convergence``, kept as ``RUNS/name.json``."""
+    from bench import convergence
+
+    v = VARIANTS[name]
+    if v.site_corpus and not SITE_CORPUS.exists():
+        from bench import site_corpus
+
+        site_corpus.main([str(SITE_CORPUS)])
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["--tokens", str(v.tokens), "--seeds", "0", "--replicas", "4"]
+        argv += ["--methods", v.method, "--threads", str(threads), "--out", tmp, *v.args]
+        log(f"{name}: bench.convergence {' '.join(argv)}")
+        convergence.main(argv)
+        RUNS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(tmp) / "convergence.json", RUNS / f"{name}.json")
+
+
+def _curve(result: dict[str, Any], method: str) -> dict[str, Any]:
+    curve: dict[str, Any] = next(c for c in result["methods"][method]["curves"] if c["seed"] == 0)
+    return curve
+
+
+def gaps(curve: dict[str, Any], reference: dict[str, Any]) -> list[float | None]:
+    """``curve``'s eval loss over ``reference``'s at the same tokens, minus one (None where
+    the reference has no evaluation at that count)."""
+    at = dict(zip(reference["tokens"], reference["eval_loss"], strict=True))
+    return [
+        round(loss / at[t] - 1.0, 4) if t in at and t else None
+        for t, loss in zip(curve["tokens"], curve["eval_loss"], strict=True)
+    ]
+
+
+def assemble() -> dict[str, Any]:
+    study = json.loads(STUDY.read_text())
+    dp = _curve(study, "allreduce")
+    curves: dict[str, tuple[str, dict[str, Any]]] = {
+        f"study_{m}": (label, _curve(study, m)) for m, label in STUDY_CURVES.items()
+    }
+    references: dict[str, dict[str, Any]] = {"study": dp}
+    for name, v in VARIANTS.items():
+        path = RUNS / f"{name}.json"
+        if path.exists():
+            curve = _curve(json.loads(path.read_text()), v.method)
+            curves[name] = (v.label, curve)
+            references[name] = curve
+    out: dict[str, Any] = {
+        "seed": 0,
+        "replicas_per_stage": study["replicas_per_stage"],
+        "reference": "data parallel, seed 0: the study's run at 5M tokens, dp_15m at 15M",
+        "variants": {},
+    }
+    for name, (label, curve) in curves.items():
+        ref_name = VARIANTS[name].reference if name in VARIANTS else "study"
+        if ref_name not in references:
+            log(f"{name}: no {ref_name} run yet, left out")
+            continue
+        g = gaps(curve, references[ref_name])
+        out["variants"][name] = {
+            "label": label,
+            "against": ref_name,
+            "tokens": curve["tokens"],
+            "eval_loss": curve["eval_loss"],
+            "gap_to_dp": g,
+            "final_eval_loss": curve["eval_loss"][-1],
+            "final_gap_to_dp": g[-1],
+            "final_spread": curve["spread"][-1],
+        }
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for name, v in result["variants"].items():
+        ax = axes[1] if v["against"] != "study" else axes[0]
+        if name == v["against"]:  # a reference against itself
+            continue
+        xs = [t / 1e6 for t, g in zip(v["tokens"], v["gap_to_dp"], strict=True) if g is not None]
+        ys = [100 * g for g in v["gap_to_dp"] if g is not None]
+        style = "--" if name.startswith("study_") else "-"
+        ax.plot(xs, ys, style, marker="o", ms=3, label=v["label"])
+        if name == "study_noloco":  # the same curve on the right, for the two budgets
+            axes[1].plot(xs, ys, style, marker="o", ms=3, label=v["label"] + ", 5M budget")
+    for ax, title in zip(
+        axes,
+        ("what changes the gap (5M tokens)", "NoLoCo's gap: a longer budget, a larger corpus"),
+        strict=True,
+    ):
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axhline(2, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("eval loss above data parallel (%)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", default="", help=f"variants to run first: {','.join(VARIANTS)}")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    args = p.parse_args(argv)
+    for name in filter(None, args.run.split(",")):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+        run(name, args.threads)
+    result = assemble()
+    (RESULTS / "convergence_gap.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / "convergence_gap.png")
+    for name, v in result["variants"].items():
+        log(f"{name}: {v['final_eval_loss']:.4f}, {100 * v['final_gap_to_dp']:+.1f} % over DP")
+    return result
+
+
+if __name__ == "__main__":
+    main()
