@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from bench import site_corpus
 from bench.convergence_gap import VARIANTS, assemble, gaps
+from node.data.documents import load_documents
 
 
 def test_the_gap_is_taken_at_equal_tokens_only() -> None:
@@ -24,3 +28,17 @@ def test_the_committed_runs_assemble_against_their_own_reference() -> None:
         assert v["final_gap_to_dp"] == pytest.approx(v["gap_to_dp"][-1])
     # the study's independent replicas end clearly above data parallel (its own verdict)
     assert variants["study_none"]["final_gap_to_dp"] > 0.03
+
+
+def test_the_site_corpus_holds_each_long_docstring_once(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "tests").mkdir(parents=True)
+    long = "A docstring long enough to count as prose for the corpus, " * 2
+    (pkg / "mod.py").write_text(
+        f'"""{long}"""\n\ndef f():\n    """{long}"""\n\ndef g():\n    """short"""\n'
+    )
+    (pkg / "tests" / "test_mod.py").write_text(f'"""{long}"""\n')  # test dirs are skipped
+    out = tmp_path / "corpus.jsonl"
+    site_corpus.main([str(out), "--root", str(tmp_path)])
+    docs = load_documents(str(out))
+    assert sorted(d.text for d in docs) == [long] * 2
