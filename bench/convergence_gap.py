@@ -8,7 +8,11 @@ could be:
 - how often replicas meet (``noloco_h10``, ``noloco_h25`` against the study's H = 50);
 - gossip against averaging every replica's weights after every inner step
   (``average_every_step``: DiLoCo's all-reduce with H = 1, outer learning rate 1 and no
-  momentum, so every replica holds the mean of the replicas' Adam steps at every step);
+  momentum, so every replica holds the mean of the replicas' Adam steps at every step) or
+  every 10 (``average_h10``, against NoLoCo's pairs and outer step at the same H);
+- NoLoCo's outer step against its pairs (``pair_average_h10``: the NoLoCo rule with
+  alpha = 0 and beta = gamma = 1, which sets each member of a pair to the pair's mean of
+  ``theta``: plain averaging, in pairs);
 - a smaller step (``dp_half_lr``: data parallel at half the learning rate);
 - the budget (``noloco_15m`` against ``dp_15m``: three times the tokens, the schedule
   stretched to match);
@@ -64,6 +68,18 @@ VARIANTS: dict[str, Variant] = {
         "diloco",
         ("--set", "sync.outer_steps=1", "--set", "sync.diloco_lr=1.0")
         + ("--set", "sync.diloco_momentum=0"),
+    ),
+    "average_h10": Variant(
+        "all 4 replicas' weights averaged every 10 inner steps",
+        "diloco",
+        ("--set", "sync.outer_steps=10", "--set", "sync.diloco_lr=1.0")
+        + ("--set", "sync.diloco_momentum=0"),
+    ),
+    "pair_average_h10": Variant(
+        "NoLoCo's pairs, weights averaged every 10 inner steps",
+        "noloco",
+        ("--outer-steps", "10", "--set", "sync.alpha=0", "--set", "sync.beta=1.0")
+        + ("--set", "sync.gamma=1.0"),
     ),
     "dp_half_lr": Variant(
         "data parallel, half the learning rate", "allreduce", ("--set", "train.lr=1e-3")
