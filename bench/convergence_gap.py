@@ -190,7 +190,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.5))
     for name, v in result["variants"].items():
         ax = axes[1] if v["against"] != "study" else axes[0]
         if name == v["against"]:  # a reference against itself
@@ -212,7 +212,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("eval loss above data parallel (%)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
