@@ -129,3 +129,46 @@ async def test_a_peer_that_does_not_answer_says_nothing_about_us(nodes: Any) -> 
     a.table.observe(PeerRecord(peer_id="d" * 16, address=dead, stage=1, ready=True), 0.0)
     assert await a.reachability.check() == "unknown"
     assert "did not answer" in a.status()["reachability"]["detail"]
+
+
+def dead_address() -> str:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_a_check_nobody_answers_leaves_the_last_verdict(nodes: Any) -> None:
+    """A NATed node whose peers stop answering is still behind its NAT: taking ``unknown``
+    for news would let it take a stage nobody can reach, and stop looking for a relay."""
+    from protocol.messages import PeerRecord
+
+    a, b = await nodes(), await nodes()
+    introduce(a, b)
+    port = a.state.address.rsplit(":", 1)[1]
+    a.state.address = f"192.168.7.2:{port}"
+    assert await a.reachability.check() == "unreachable"
+    a.table.bury(b.peer_id, b.record().incarnation, a.clock.now())
+    a.table.observe(
+        PeerRecord(peer_id="d" * 16, address=dead_address(), stage=1, ready=True), a.clock.now()
+    )
+    assert [p.peer_id for p in a.table.records()] == ["d" * 16]
+    assert await a.reachability.check() == "unreachable"
+    assert "behind a NAT" in a.status()["reachability"]["detail"]
+    a.state.address = f"127.0.0.1:{port}"  # a new address: the old verdict says nothing of it
+    assert await a.reachability.check() == "unknown"
+
+
+async def test_peers_dialled_directly_are_asked_before_relayed_ones(nodes: Any) -> None:
+    """A relayed peer refuses dial-backs, so asking one is a wasted question."""
+    from protocol.messages import PeerRecord
+
+    a, b = await nodes(), await nodes()
+    introduce(a, b)
+    dead = dead_address()
+    for k in range(4):
+        relayed = PeerRecord(peer_id=f"{k}" * 16, address=dead, stage=1, relays=[dead])
+        a.table.observe(relayed, a.clock.now())
+    for _ in range(6):  # b is among the two asked every time, not one time in three
+        a.reachability.state = "unknown"
+        assert await a.reachability.check() == "direct"
+        assert a.status()["reachability"]["checked_by"] == [b.peer_id]

@@ -132,6 +132,65 @@ def test_the_relay_itself_talks_to_an_attached_peer_over_its_websocket() -> None
     assert route is not None and route.local is not None and route.relays == ()
 
 
+async def test_a_relay_that_answered_stays_attached_while_a_silent_candidate_is_tried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node tries its candidate relays at once and keeps the best. The one that answered
+    must be read from the first moment: a relay drops a link whose pings go unanswered, and
+    a candidate that takes the connection and never answers (a NATed peer announcing its
+    private address) is waited for up to ``CONNECT_TIMEOUT_S``."""
+    import asyncio
+
+    from aiohttp import web
+
+    import node.net.relay as relay_mod
+    from node.net.transport import RELAY_PATH
+
+    monkeypatch.setattr(relay_mod, "CONNECT_TIMEOUT_S", 2.5 * relay_mod.HEARTBEAT_S)
+    h = hub()
+    app = web.Application()
+    app.router.add_get(RELAY_PATH, h.handle_attach)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    relay_at = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    held: list[asyncio.StreamWriter] = []
+    silent = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", 0)
+    silent_at = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+
+    async def serve(header: str | None, frame: bytes, origin: str) -> Any:
+        return 200, None, frame[::-1]
+
+    client = relay_mod.RelayClient(
+        peer_id="n" * 16, auth=None, max_frame_bytes=1 << 20, want=2, serve=serve
+    )
+    candidates = [
+        PeerRecord(peer_id="s" * 16, address=silent_at, stage=1, relay_slots=9),
+        PeerRecord(peer_id="r" * 16, address=relay_at, stage=1, relay_slots=1),
+    ]
+    try:
+        t0 = time.monotonic()
+        topping = asyncio.create_task(client.top_up(candidates))
+        while not h.attached("n" * 16):
+            await asyncio.sleep(0.02)
+        # served while the silent candidate is still being tried, as pings must be
+        assert await h.exchange("n" * 16, None, b"abc", "127.0.0.1", 2.0) == (200, None, b"cba")
+        assert not topping.done()
+        assert await topping
+        assert time.monotonic() - t0 >= relay_mod.CONNECT_TIMEOUT_S - 0.1  # it was waited for
+        assert client.addresses == [relay_at] and h.attached("n" * 16)
+        await asyncio.sleep(2 * relay_mod.HEARTBEAT_S)  # pings keep being answered
+        assert client.addresses == [relay_at] and h.attached("n" * 16)
+        assert not await client.top_up(candidates)  # the silent one is left alone a while
+    finally:
+        await client.close()
+        silent.close()
+        for w in held:
+            w.close()
+        await runner.cleanup()
+
+
 def test_routing_halves_a_relayed_replica_unless_this_node_is_its_relay() -> None:
     direct = PeerRecord(peer_id="d", address="5.5.5.5:1", stage=1, throughput=10.0)
     relayed = PeerRecord(

@@ -64,6 +64,9 @@ MAX_RELAYS = 4
 RELAY_TIMEOUT_S = 120.0
 """Longest a relay waits for a relayed node's reply (a state transfer on a thin uplink)."""
 CONNECT_TIMEOUT_S = 5.0
+"""Longest attaching to a relay may take (a TCP connection and the WebSocket handshake): a
+candidate that does not answer (a peer behind a NAT announcing a private address) costs no
+more than this."""
 HEARTBEAT_S = 2.0
 """WebSocket ping interval: a relay that died is noticed within about two of them."""
 PROBED = 4
@@ -466,7 +469,6 @@ class RelayClient:
             links = sorted((link for link in probed if link is not None), key=_cost)
             for link in links[:missing]:
                 self._links[link.address] = link
-                link.task = asyncio.create_task(self._serve_link(link))
                 log.info("attached to relay %s (%.1f ms)", link.address, link.rtt_s * 1e3)
             for link in links[missing:]:
                 await link.ws.close()
@@ -488,19 +490,28 @@ class RelayClient:
             headers = {AUTH_HEADER: sent.header}
         t0 = time.monotonic()
         try:
-            ws = await self._session.ws_connect(
-                f"http://{relay.address}{RELAY_PATH}?peer={self.peer_id}",
-                headers=headers,
-                heartbeat=HEARTBEAT_S,
-                max_msg_size=self.max_frame_bytes + WS_OVERHEAD_BYTES,
-                timeout=aiohttp.ClientWSTimeout(ws_close=CONNECT_TIMEOUT_S),
-                receive_timeout=None,
-            )
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                ws = await self._session.ws_connect(
+                    f"http://{relay.address}{RELAY_PATH}?peer={self.peer_id}",
+                    headers=headers,
+                    heartbeat=HEARTBEAT_S,
+                    max_msg_size=self.max_frame_bytes + WS_OVERHEAD_BYTES,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=CONNECT_TIMEOUT_S),
+                    receive_timeout=None,
+                )
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self._failed[relay.address] = time.monotonic()
-            log.info("relay %s refused or unreachable: %s", relay.address, e)
+            why = str(e) or f"no answer in {CONNECT_TIMEOUT_S:.0f} s"
+            log.info("relay %s refused or unreachable: %s", relay.address, why)
             return None
-        return _Link(relay.address, relay.peer_id, ws, time.monotonic() - t0, relay.relay_slots)
+        link = _Link(relay.address, relay.peer_id, ws, time.monotonic() - t0, relay.relay_slots)
+        # Read it from the first moment, while other candidates are still being tried: the
+        # relay's pings are answered only by a reader, and it drops a link that leaves them
+        # unanswered for a heartbeat and a half.
+        link.task = asyncio.create_task(self._serve_link(link))
+        self._handling.add(link.task)  # held until it ends: a spare link's, once closed
+        link.task.add_done_callback(self._handling.discard)
+        return link
 
     async def _serve_link(self, link: _Link) -> None:
         try:
@@ -511,7 +522,8 @@ class RelayClient:
                 self._handling.add(task)
                 task.add_done_callback(self._handling.discard)
         finally:
-            self._failed[link.address] = time.monotonic()
+            if self._links.get(link.address) is link:  # one in use died (not a spare closed)
+                self._failed[link.address] = time.monotonic()
 
     async def _handle(self, link: _Link, data: bytes) -> None:
         try:

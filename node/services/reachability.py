@@ -9,9 +9,11 @@ way: peers dial back). This module owns both sides of the check:
   asks up to ``NUM_ASKED`` peers to dial it back at that address with a fresh nonce
   (``DialBack``). It is ``direct`` when a peer connected and the nonce arrived here,
   ``unreachable`` when peers answered and none could connect, and ``unknown`` while there
-  is nobody to ask (the swarm's first node) or nobody answered (a peer that does not answer
-  says nothing about this node). The verdict, with one line of advice, is logged, shown by
-  ``node status`` and exported as a metric.
+  is nobody to ask (the swarm's first node) or nobody answered. A peer that does not answer
+  says nothing about this node, so a check nobody answered leaves an earlier verdict about
+  the same address as it was. Peers that are dialled directly are asked first: a relayed
+  one refuses dial-backs (the asker's host would be only its relay's word). The verdict,
+  with one line of advice, is logged, shown by ``node status`` and exported as a metric.
 - **answering.** A peer's ``DialBack`` is dialled back only at the host its request came
   from, so nobody can make this node connect anywhere else (a host that announces another
   address than it connects from is behind a NAT, and is told so without a dial); at most
@@ -124,6 +126,7 @@ class ReachabilityService:
         address = ctx.state.address
         peers = [p for p in ctx.table.records() if p.address and not p.leaving]
         ctx.rng.shuffle(peers)
+        peers.sort(key=lambda p: bool(p.relays))  # stable: at random among the direct ones
         asked = peers[:NUM_ASKED]
         if not asked:
             self._settle(UNKNOWN, address, [], "no peer to ask yet")
@@ -137,6 +140,9 @@ class ReachabilityService:
         elif refused:
             why = next(d for v, d in results if v is False)
             self._settle(UNREACHABLE, address, refused, why)
+        elif address == self.checked_address and self.state != UNKNOWN:
+            self.checked_at = time.monotonic()  # nobody answered: the last verdict stands
+            log.debug("reachability check unanswered, still %s: %s", self.state, results[0][1])
         else:
             self._settle(UNKNOWN, address, [], results[0][1])
         return self.state
