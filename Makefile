@@ -16,7 +16,7 @@ demo: $(STAMP)  ## the main job: a local swarm on the embedded corpus that visib
 	$(VENV)/bin/node demo
 
 test: $(STAMP) lint  ## everything CI runs: lint, unit, integration, real processes, netns hosts
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=25
 
 test-quick: $(STAMP)  ## the fast loop: skips real-process and multi-host tests
 	$(PY) -m pytest -m "not slow"
