@@ -168,7 +168,7 @@ async def test_peers_dialled_directly_are_asked_before_relayed_ones(nodes: Any) 
     for k in range(4):
         relayed = PeerRecord(peer_id=f"{k}" * 16, address=dead, stage=1, relays=[dead])
         a.table.observe(relayed, a.clock.now())
-    for _ in range(6):  # b is among the two asked every time, not one time in three
+    for _ in range(6):  # b is among the two asked every time, not two times in five
         a.reachability.state = "unknown"
         assert await a.reachability.check() == "direct"
         assert a.status()["reachability"]["checked_by"] == [b.peer_id]
