@@ -81,6 +81,16 @@ VARIANTS: dict[str, Variant] = {
         ("--outer-steps", "10", "--set", "sync.alpha=0", "--set", "sync.beta=1.0")
         + ("--set", "sync.gamma=1.0"),
     ),
+    "pair_average_h50": Variant(
+        "NoLoCo's pairs, weights averaged every 50 inner steps",
+        "noloco",
+        ("--set", "sync.alpha=0", "--set", "sync.beta=1.0", "--set", "sync.gamma=1.0"),
+    ),
+    "noloco_unit_step": Variant(
+        "NoLoCo, H = 50, beta 0.5: a steady step of one pseudo-gradient",
+        "noloco",
+        ("--set", "sync.beta=0.5"),
+    ),
     "dp_half_lr": Variant(
         "data parallel, half the learning rate", "allreduce", ("--set", "train.lr=1e-3")
     ),

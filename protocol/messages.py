@@ -392,6 +392,22 @@ class RingChunk(Message):
     phase: str
     step: int
     meta: dict[str, Any]
+    side: list[float] = field(default_factory=list)
+    """A few scalars summed exactly beside the chunks (``swarm.allreduce``): on a reduce
+    step, the sum of the side values of the sender and the members before it; empty when
+    the round carries none."""
+
+    def problem(self) -> str | None:
+        """Side values no honest member sends (too many, or not finite), or None."""
+        if len(self.side) > MAX_RING_SIDE:
+            return f"{len(self.side)} side values, more than {MAX_RING_SIDE}"
+        if not all(math.isfinite(v) for v in self.side):
+            return f"side values {self.side} are not all finite"
+        return None
+
+
+MAX_RING_SIDE = 8
+"""Side values a ring chunk may carry (the daemon sends one: its schedule place)."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ its right neighbour and adds the chunk ``r - t - 1`` that arrives from its left;
 finished chunks around. Each member sends ``2 (N - 1) / N`` of the data whatever ``N`` is,
 but pays ``2 (N - 1)`` message latencies and waits for the slowest link.
 
+A round may also carry a few scalars beside the tensor (``side``: the daemon's DiLoCo
+rounds send each member's place in the learning-rate schedule, which an int8 chunk could
+not carry exactly). They ride the reduce steps as running sums, in fp64 and never
+quantized: member ``r`` sends its own values plus what came from its left, so after the
+``N - 1`` reduce steps each member holds every member's sum and returns the mean. When one
+member sends none (an older or differently configured node), no member gets a mean.
+
 What a real network adds: every member must agree on the member list (each chunk carries
 a hash of it, and a mismatch aborts the round), a chunk may arrive before its receiver has
 started the round (it waits in a mailbox), and a member may die mid-ring: every wait has a
@@ -41,6 +48,8 @@ T = TypeVar("T")
 _MAX_RING_STEPS = 1024
 """Steps per phase a chunk may name (a ring of more than 1025 members is not supported)."""
 Compute = Callable[[Callable[[], T]], Awaitable[T]]
+_Chunk = tuple[torch.Tensor, list[float]]
+"""A received step: the chunk's tensor and its side values."""
 
 
 class RingFailed(Exception):
@@ -72,7 +81,7 @@ def members_hash(round_id: str, members: Sequence[str]) -> str:
 @dataclass
 class _Round:
     members_hash: str
-    inbox: dict[tuple[str, int], asyncio.Future[torch.Tensor]]
+    inbox: dict[tuple[str, int], asyncio.Future[_Chunk]]
     held: dict[tuple[str, int], int] = field(default_factory=dict)
     """Bytes of each delivered chunk not yet taken by the round."""
 
@@ -132,7 +141,7 @@ class RingAllReduce:
                 f"pass the limit of {self.max_held_bytes} (sync.ring_inbox_bytes)",
                 503,
             )
-        fut.set_result(decode_tensor(chunk.tensors, chunk.meta))
+        fut.set_result((decode_tensor(chunk.tensors, chunk.meta), chunk.side))
         rnd.held[key] = nbytes
         self.held_bytes += nbytes
         self.bytes_received += nbytes
@@ -141,11 +150,21 @@ class RingAllReduce:
         self, round_id: str, members: Sequence[Hop], flat: torch.Tensor
     ) -> torch.Tensor:
         """The mean of ``flat`` over ``members`` (sorted by peer id, including us)."""
+        mean, _ = await self.allreduce_with_side(round_id, members, flat)
+        return mean
+
+    async def allreduce_with_side(
+        self, round_id: str, members: Sequence[Hop], flat: torch.Tensor, side: Sequence[float] = ()
+    ) -> tuple[torch.Tensor, list[float] | None]:
+        """The means of ``flat`` and of the scalars ``side`` over ``members`` (sorted by peer
+        id, including us); the second is None when ``side`` is empty or a member sent no side
+        values or another count of them."""
         ids = [m.peer_id for m in members]
         assert ids == sorted(ids) and self.self_id in ids, "members must be sorted and include us"
+        own = [float(v) for v in side]
         n = len(members)
         if n == 1:
-            return flat.clone()
+            return flat.clone(), own or None
         h = members_hash(round_id, ids)
         rnd = self._rounds.setdefault(round_id, _Round(h, {}))
         try:
@@ -155,6 +174,7 @@ class RingAllReduce:
             right = members[(rank + 1) % n]
             bounds = chunk_bounds(flat.numel(), n)
             work: torch.Tensor = await self.compute(flat.clone)
+            carry: list[float] | None = own  # running side sums, None once a member sent none
             for phase, step, send_i, recv_i in ring_steps(rank, n):
                 s0, s1 = bounds[send_i]
                 tensors, meta = await self.compute(
@@ -167,13 +187,16 @@ class RingAllReduce:
                     step=step,
                     meta=meta,
                     tensors=tensors,
+                    side=(carry or []) if phase == "reduce" else [],
                 )
-                got = await self._exchange(rnd, right, msg, self._step_s(tensors))
+                got, got_side = await self._exchange(rnd, right, msg, self._step_s(tensors))
+                if phase == "reduce":
+                    carry = _side_sum(own, carry, got_side)
                 r0, r1 = bounds[recv_i]
                 combine = work[r0:r1].add_ if phase == "reduce" else work[r0:r1].copy_
                 await self.compute(partial(combine, got))
             await self.compute(partial(work.div_, n))
-            return work
+            return work, None if carry is None else [v / n for v in carry]
         finally:
             self._drop(round_id)
 
@@ -183,9 +206,7 @@ class RingAllReduce:
         rate = self.min_rate_bytes_s
         return self.step_timeout_s + (nbytes / rate if rate > 0 else 0.0)
 
-    async def _exchange(
-        self, rnd: _Round, right: Hop, msg: RingChunk, timeout_s: float
-    ) -> torch.Tensor:
+    async def _exchange(self, rnd: _Round, right: Hop, msg: RingChunk, timeout_s: float) -> _Chunk:
         """Send our chunk of this step while waiting for our left neighbour's: one step costs
         the slower of the two, not their sum. The first failure of either ends the round."""
         send = asyncio.ensure_future(self._send(right, msg, timeout_s))
@@ -208,7 +229,7 @@ class RingAllReduce:
             raise RingFailed(f"sending {msg.phase}/{msg.step} to {hop.peer_id[:8]}: {e}") from None
         self.bytes_sent += tensor_bytes(msg.tensors)
 
-    async def _receive(self, rnd: _Round, phase: str, step: int, timeout_s: float) -> torch.Tensor:
+    async def _receive(self, rnd: _Round, phase: str, step: int, timeout_s: float) -> _Chunk:
         fut = rnd.inbox.setdefault((phase, step), _future())
         try:
             got = await asyncio.wait_for(fut, timeout_s)
@@ -232,7 +253,17 @@ class RingAllReduce:
             self.held_bytes -= sum(rnd.held.values())
 
 
-def _future() -> asyncio.Future[torch.Tensor]:
+def _side_sum(own: list[float], carry: list[float] | None, got: list[float]) -> list[float] | None:
+    """The side sums to send on (and, after the last reduce step, the total): ours plus what
+    came from the left, or None once any member sent none or another count (``carry`` None
+    or ``got`` of another length: our left neighbour then sends none on, so every member
+    that had values ends with None too)."""
+    if carry is None or not own or len(got) != len(own):
+        return None
+    return [a + b for a, b in zip(own, got, strict=True)]
+
+
+def _future() -> asyncio.Future[_Chunk]:
     return asyncio.get_running_loop().create_future()
 
 

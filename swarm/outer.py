@@ -129,8 +129,21 @@ def pair_position(own: float, partner: float, limit: float = math.inf) -> float:
     partner that lies about its place moves this replica's schedule by at most ``limit / 2``
     a round (honest places differ by a few rounds' steps; a lie of step 10**12 would
     otherwise end a victim's warm-up and decay in one round)."""
-    partner = min(max(partner, own - limit), own + limit)
-    return (own + partner) / 2
+    return shared_position(own, (own + partner) / 2, limit)
+
+
+def shared_position(own: float, mean: float, limit: float = math.inf) -> float:
+    """A replica's new place in the learning-rate schedule from the mean place of the
+    replicas it synchronised with: ``mean`` itself (so every member takes the same place),
+    unless it lies more than ``limit / 2`` from ``own``, when the replica moves ``limit / 2``
+    towards it. A NoLoCo pair's mean is ``pair_position``; a DiLoCo ring's is the members'
+    mean, which the ring sums beside the pseudo-gradients (``swarm.allreduce``): the same
+    departure, for the same reason, as the pair's. With ``N`` members one that lies can move
+    the mean by any amount, hence the bound here, after averaging, not before."""
+    half = limit / 2
+    if abs(mean - own) <= half:
+        return mean
+    return own + half if mean > own else own - half
 
 
 def diloco_outer_step(

@@ -347,6 +347,10 @@ async def test_gossip_and_ring_faults(make_node: Any) -> None:
         await refused(ring, chunk, code, status)
     chunk = RingChunk(round_id="diloco:1:5", members_hash="h", phase="sideways", step=0, meta={})
     await refused(ring, chunk, "bad_ring_step", 400)
+    # a schedule place no honest member sends (the ring carries it beside the chunk)
+    for side in ([float("nan")], [1.0] * 9):
+        chunk = RingChunk("diloco:1:5", "h", "reduce", 0, {}, side=side)
+        await refused(ring, chunk, "malformed_message", 400)
     ring.sync.forget_stale_rounds()  # must not choke on anything a peer sent
 
 

@@ -143,6 +143,19 @@ def test_noloco_with_unequal_steps_by_hand() -> None:
     assert a.tolist() == b.tolist()
 
 
+def test_shared_position_by_hand() -> None:
+    from swarm.outer import pair_position, shared_position
+
+    assert shared_position(10.0, 30.0) == 30.0  # a ring's mean place, taken as it is
+    assert shared_position(100.0, 250.0, limit=400.0) == 250.0  # within half the limit
+    assert shared_position(100.0, 1e12, limit=400.0) == 300.0  # beyond it: half the limit
+    assert shared_position(100.0, -1e12, limit=400.0) == -100.0
+    # a pair's mean is the ring's rule at N = 2: the partner brought within the limit first
+    for own, partner in ((100.0, 1e12), (100.0, 0.0), (100.0, 130.0), (7.0, 7.0)):
+        clamped = min(max(partner, own - 40.0), own + 40.0)
+        assert pair_position(own, partner, limit=40.0) == (own + clamped) / 2
+
+
 def test_pair_position_by_hand() -> None:
     from swarm.outer import pair_position
 

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import torch
 
+from protocol.errors import MalformedMessage
 from protocol.messages import Ack, GossipRequest, Hop, Message, PeerRecord, RingChunk
 from protocol.quant import encode_tensor
 from swarm.allreduce import RingAllReduce, RingFailed, chunk_bounds, ring_steps
@@ -117,6 +118,62 @@ async def test_ring_mean_is_exact(n: int, numel: int) -> None:
         strict=False,
     ):
         assert torch.equal(d, orig)  # inputs untouched
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+async def test_ring_side_values_are_averaged_exactly_beside_an_int8_tensor(n: int) -> None:
+    """Each member's side values (the daemon's schedule places) come back as the members'
+    mean, in fp64, while the tensor travels as int8: hand-computed, places 10, 20, ... 10 n
+    (and 1e9 + k, which a float32 would round) average to 5 (n + 1) and 1e9 + (n - 1) / 2."""
+    net = Net()
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(n)]
+    for m in members:
+        net.rings[m.address] = RingAllReduce(net, MonotonicClock(), m.peer_id, codec="int8")
+    results = await asyncio.gather(
+        *(
+            net.rings[m.address].allreduce_with_side(
+                "r", members, torch.full((300,), float(k)), [10.0 * (k + 1), 1e9 + k]
+            )
+            for k, m in enumerate(members)
+        )
+    )
+    for mean, side in results:
+        assert torch.allclose(mean, torch.full((300,), (n - 1) / 2), atol=0.05)
+        assert side == [5.0 * (n + 1), 1e9 + (n - 1) / 2]
+
+
+async def test_a_ring_member_without_side_values_leaves_every_member_without_a_mean() -> None:
+    """One member of four sends no side values (an older node, or one that shares no
+    schedule place): the tensor's mean is still exact, and nobody takes a side mean made
+    of three members' values as the stage's."""
+    net = Net()
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(4)]
+    for m in members:
+        net.rings[m.address] = RingAllReduce(net, MonotonicClock(), m.peer_id)
+    results = await asyncio.gather(
+        *(
+            net.rings[m.address].allreduce_with_side(
+                "r", members, torch.full((9,), float(k)), [] if k == 2 else [float(k)]
+            )
+            for k, m in enumerate(members)
+        )
+    )
+    for mean, side in results:
+        assert torch.equal(mean, torch.full((9,), 1.5))
+        assert side is None
+
+
+def test_a_ring_chunk_with_bad_side_values_is_refused_when_decoded() -> None:
+    from protocol.messages import MAX_RING_SIDE, decode_message, encode_message
+
+    def wire(side: list[float]) -> bytes:
+        return b"".join(encode_message(RingChunk("r", "h", "reduce", 0, {}, tensors={}, side=side)))
+
+    got = decode_message(wire([1.0, 2.0]))
+    assert isinstance(got, RingChunk) and got.side == [1.0, 2.0]
+    for side in ([float("nan")], [float("inf")], [0.0] * (MAX_RING_SIDE + 1)):
+        with pytest.raises(MalformedMessage, match="side values"):
+            decode_message(wire(side))
 
 
 async def test_ring_member_dead_mid_round_fails_everyone_within_timeout() -> None:

@@ -280,20 +280,27 @@ class StageSync:
         return sorted([me, *peers], key=lambda h: h.peer_id)
 
     async def _ring_mean(
-        self, round_id: str, flat: torch.Tensor, clock_round: int | None = None
-    ) -> torch.Tensor:
-        """The mean of ``flat`` over the stage's replicas, or ``flat`` when the ring fails.
-        ``clock_round``: this round's boundary on the clock schedule; a partner's chunk for
-        a later boundary ends the round at once (see ``_newer_clock_round``)."""
+        self,
+        round_id: str,
+        flat: torch.Tensor,
+        clock_round: int | None = None,
+        side: list[float] | None = None,
+    ) -> tuple[torch.Tensor, list[float] | None]:
+        """The means of ``flat`` and of the scalars ``side`` over the stage's replicas, or
+        ``flat`` and None when the ring fails (the side mean is None too when a member sent
+        none). ``clock_round``: this round's boundary on the clock schedule; a partner's
+        chunk for a later boundary ends the round at once (see ``_newer_clock_round``)."""
         members = self.members()
         sent0, recv0 = self.ring.bytes_sent, self.ring.bytes_received
         try:
-            ring = asyncio.ensure_future(self.ring.allreduce(round_id, members, flat))
+            ring = asyncio.ensure_future(
+                self.ring.allreduce_with_side(round_id, members, flat, side or [])
+            )
             if clock_round is not None:
                 await self._unless_superseded(ring, clock_round)
-            mean = await ring
+            result = await ring
             self.rounds["allreduced" if len(members) > 1 else "solo"] += 1
-            return mean
+            return result
         except RingFailed as e:
             self.rounds["failed"] += 1
             log.warning(
@@ -302,12 +309,12 @@ class StageSync:
                 len(members),
                 e,
             )
-            return flat
+            return flat, None
         finally:
             self.bytes_sent += self.ring.bytes_sent - sent0
             self.bytes_received += self.ring.bytes_received - recv0
 
-    async def _unless_superseded(self, ring: asyncio.Future[torch.Tensor], boundary: int) -> None:
+    async def _unless_superseded(self, ring: asyncio.Future[Any], boundary: int) -> None:
         """Wait for ``ring``; cancel it (``RingFailed``) as soon as a partner's chunk shows
         it is in a later clock round, and take that round next.
 
@@ -326,15 +333,21 @@ class StageSync:
                 raise RingFailed(f"a partner is already in the round of boundary {newer}")
 
     async def _diloco(self, round_: int) -> None:
+        """DiLoCo's outer step with the ring's mean pseudo-gradient; the ring also averages
+        the members' places in the learning-rate schedule (``sync.share_schedule``), which
+        on the clock schedule differ between replicas of unequal speed."""
         round_id = f"diloco:{self.stage}:{round_}"
         delta = await self.runner.compute(self.runner.outer_delta)
-        mean = await self._ring_mean(round_id, delta, round_ if self.clocked else None)
+        clock = round_ if self.clocked else None
+        mean, place = await self._ring_mean(round_id, delta, clock, self.runner.place)
         await self.runner.compute(self.runner.apply_diloco, mean)
+        if place:
+            await self.runner.compute(self.runner.take_place, place[0], self._ref_steps())
 
     async def _allreduce_grads(self) -> None:
         grads = self.runner.pending_grads
         assert grads is not None
-        mean = await self._ring_mean(f"dp:{self.stage}:{self.runner.step}", grads)
+        mean, _ = await self._ring_mean(f"dp:{self.stage}:{self.runner.step}", grads)
         await self.runner.compute(self.runner.apply_grads, mean)
 
     def forget_stale_rounds(self) -> None:

@@ -48,7 +48,7 @@ from node.stage.model import Attention, BlockStage, HeadStage, build_stage
 from node.stage.outer import Encoded, Offer, OuterState, is_place
 from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
-from swarm.outer import DiLoCoConfig, NoLoCoConfig, pair_position
+from swarm.outer import DiLoCoConfig, NoLoCoConfig, pair_position, shared_position
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -125,9 +125,10 @@ more ``q @ k^T`` per block)."""
 
 PLACE_ROUNDS = 8
 """How many rounds' inner steps (``H``, or the stage's usual steps per round when larger)
-a NoLoCo partner's place in the learning-rate schedule may be from ours before it is
-brought within that distance (``swarm.outer.pair_position``): honest places differ by a
-few rounds' steps, and a lie moves us by at most half of this a round."""
+the mean place of the replicas we synchronised with (a NoLoCo pair, a DiLoCo ring) may be
+from ours before we move only half that far towards it (``swarm.outer.shared_position``):
+honest places differ by a few rounds' steps, and a lie moves us by at most half of this a
+round."""
 
 
 class StageRunner:
@@ -148,11 +149,11 @@ class StageRunner:
         self.schedule_step = 0.0
         """This replica's position in the learning-rate schedule, in the units of ``step``:
         it advances with ``step`` and, with ``sync.share_schedule``, is averaged with each
-        NoLoCo partner (``swarm.outer.pair_position``), so a slow replica is not left in its
-        warm-up while the stage's others have decayed."""
+        NoLoCo partner (``swarm.outer.pair_position``) or over a DiLoCo ring, so a slow
+        replica is not left in its warm-up while the stage's others have decayed."""
         self.places_clamped = 0
-        """Partners' places in the schedule further from ours than ``PLACE_ROUNDS`` rounds'
-        steps (brought within that before averaging: a peer that lies, or a bug)."""
+        """Mean places of the replicas we synchronised with that lay further from ours than
+        half ``PLACE_ROUNDS`` rounds' steps (moved only that far: a peer that lies, or a bug)."""
         self.samples = 0
         self._acc_samples = 0
         self._acc_microbatches = 0
@@ -481,23 +482,35 @@ class StageRunner:
         pair's mean place (``swarm.outer.pair_position``)."""
         theta = self._theta()
         if offer is not None and offer.position >= 0 and self.sync.share_schedule:
-            limit = PLACE_ROUNDS * max(self.sync.outer_steps, ref_steps)
-            if abs(offer.position - self.schedule_step) > limit:
-                self.places_clamped += 1
-                log.warning(
-                    "partner's place in the schedule %.0f is more than %.0f steps from ours "
-                    "(%.0f): moved by at most half that",
-                    offer.position,
-                    limit,
-                    self.schedule_step,
-                )
-            self.schedule_step = pair_position(self.schedule_step, offer.position, limit)
+            self.take_place(pair_position(self.schedule_step, offer.position), ref_steps)
         if not self.sync.scale_by_steps or ref_steps <= 0:
             spread = self.outer.apply_noloco(theta, offer, self.noloco)
         else:
             spread = self.outer.apply_noloco(theta, offer, self.noloco, self.round_steps, ref_steps)
         self._set_theta(theta)
         return spread
+
+    @property
+    def place(self) -> list[float]:
+        """What this replica says of its place in the schedule beside a DiLoCo round's
+        pseudo-gradient (``swarm.allreduce``'s side values): empty unless it shares it."""
+        return [self.schedule_step] if self.sync.share_schedule else []
+
+    def take_place(self, mean: float, ref_steps: float = 0.0) -> None:
+        """Move to ``mean``, the place in the schedule of the replicas we synchronised with
+        (a NoLoCo pair, or a DiLoCo ring), by at most half of ``PLACE_ROUNDS`` rounds' steps
+        (``swarm.outer.shared_position``; moves beyond it are counted and logged)."""
+        limit = PLACE_ROUNDS * max(self.sync.outer_steps, ref_steps)
+        if abs(mean - self.schedule_step) > limit / 2:
+            self.places_clamped += 1
+            log.warning(
+                "partners' mean place in the schedule %.0f is more than %.0f steps from ours "
+                "(%.0f): moved by that much",
+                mean,
+                limit / 2,
+                self.schedule_step,
+            )
+        self.schedule_step = shared_position(self.schedule_step, mean, limit)
 
     def outer_delta(self) -> torch.Tensor:
         """DiLoCo's outer gradient ``phi - theta``."""

@@ -1,0 +1,105 @@
+"""A DiLoCo round between three real nodes over HTTP: one slow-weight update for all, and
+one place in the learning-rate schedule.
+
+On the clock schedule a replica 4x slower than its partners takes a quarter of their inner
+steps per round; keyed on its own count it would still be warming up when they have
+decayed. A NoLoCo pair averages the two places (``swarm.outer.pair_position``); a DiLoCo
+ring sums them beside the pseudo-gradients (``swarm.allreduce``'s side values, exact even
+when the chunks travel as int8), and every member takes the mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from node.config import resolve_config
+from node.daemon import Node
+
+pytestmark = pytest.mark.timeout(60)
+
+SETTINGS = {
+    "net.listen": "127.0.0.1:0",
+    "net.zeroconf": False,
+    "node.stage": "1",
+    "swarm.num_block_stages": 2,
+    "balance.benchmark_s": 0,
+    "sync.method": "diloco",
+    "sync.schedule": "steps",
+    "sync.codec": "int8",
+}
+
+
+async def ring_of(n: int, **settings: object) -> list[Node]:
+    nodes = [Node(resolve_config(overrides={**SETTINGS, **settings})) for _ in range(n)]
+    for node in nodes:
+        await node.start_server()
+        await node.take_stage(1)
+    for me in nodes:
+        for other in nodes:
+            if other is not me:
+                me.table.observe(other.record(), me.clock.now())
+    return nodes
+
+
+@pytest.fixture
+async def nodes() -> AsyncIterator[list[Node]]:
+    made: list[Node] = []
+    yield made
+    for node in made:
+        await node.close()
+
+
+async def diloco_round(node: Node) -> None:
+    assert node.sync is not None
+    node.sync.running = True
+    await node.sync._round("outer", 1)
+
+
+def slow_weights(node: Node) -> torch.Tensor:
+    assert node.runner is not None
+    return node.runner.phi.clone()
+
+
+async def test_a_ring_round_gives_every_member_the_mean_place(nodes: list[Node]) -> None:
+    nodes += await ring_of(3)
+    for node, place in zip(nodes, (10.0, 20.0, 60.0), strict=True):
+        assert node.runner is not None
+        node.runner.schedule_step = place
+    await asyncio.gather(*(diloco_round(n) for n in nodes))
+    for node in nodes:
+        assert node.sync is not None and node.sync.rounds == {"allreduced": 1}
+        assert node.runner is not None and node.runner.schedule_step == 30.0
+        assert node.runner.places_clamped == 0
+    # the replicas held the same weights and took the same (zero) steps: one phi for all
+    assert all(torch.equal(slow_weights(n), slow_weights(nodes[0])) for n in nodes)
+
+
+async def test_a_member_that_lies_about_its_place_moves_the_others_a_bounded_step(
+    nodes: list[Node],
+) -> None:
+    from node.stage.runner import PLACE_ROUNDS
+
+    nodes += await ring_of(2)
+    honest, liar = (n.runner for n in nodes)
+    assert honest is not None and liar is not None
+    honest.schedule_step, liar.schedule_step = 100.0, 1e12
+    await asyncio.gather(*(diloco_round(n) for n in nodes))
+    half = PLACE_ROUNDS * honest.sync.outer_steps / 2  # 8 rounds of H = 50, halved
+    assert honest.schedule_step == 100.0 + half
+    assert honest.places_clamped == 1  # counted (murmur_sync_places_clamped)
+
+
+async def test_with_share_schedule_off_each_member_keeps_its_own_place(
+    nodes: list[Node],
+) -> None:
+    nodes += await ring_of(2, **{"sync.share_schedule": "false"})
+    for node, place in zip(nodes, (4.0, 12.0), strict=True):
+        assert node.runner is not None
+        node.runner.schedule_step = place
+    await asyncio.gather(*(diloco_round(n) for n in nodes))
+    assert [n.runner.schedule_step for n in nodes if n.runner] == [4.0, 12.0]
+    assert all(n.sync is not None and n.sync.rounds == {"allreduced": 1} for n in nodes)
