@@ -16,7 +16,7 @@ parts run in lockstep in this process, with every random choice seeded:
   ``node.services.sync.weight_screen``, the daemon's screen; a refusal bans the partner for good
   and the replica takes a solo step, as ``node.services.sync.SyncService`` does.
 
-Two runs with the same seeds are bit-identical (tested), so a poisoned run against a clean
+Two runs with the same seeds are bit-identical (tested over three rounds), so a poisoned run against a clean
 one measures the poison's effect and nothing else. The poisoner is the last block replica,
 its outgoing offers corrupted by ``sync.debug_poison`` (x1000, or NaN); the others' eval
 loss must stay within 1 % of the clean run's. With the screen's distance rule off the same
@@ -72,6 +72,8 @@ class Run:
     banned: list[set[int]] = field(default_factory=lambda: [set() for _ in range(REPLICAS)])
     late: int = 0
     """Microbatches run by replicas a skipped step had left behind the round."""
+    fingerprints: list[float] = field(default_factory=list)
+    """The sum of each block replica's slow weights after each round, in order."""
 
     @property
     def honest_loss(self) -> list[float]:
@@ -89,7 +91,15 @@ def runner(c: Config, stage: int) -> StageRunner:
     return r
 
 
-def train(poison: str = "", screen_multiple: str | None = None) -> Run:
+def train(
+    poison: str = "",
+    screen_multiple: str | None = None,
+    rounds: int = ROUNDS,
+    until_wrecked: bool = False,
+) -> Run:
+    """``rounds`` outer rounds, then the eval loss through each block replica. With
+    ``until_wrecked``, fewer: training stops once every honest replica's slow weights sum to
+    over ten times the poisoner's own (a x1000 offer averaged in) or are not finite."""
     extra = {} if screen_multiple is None else {"sync.screen_multiple": screen_multiple}
     base, poisoned = config(extra), config({**extra, "sync.debug_poison": poison})
     torch.manual_seed(0)
@@ -113,7 +123,7 @@ def train(poison: str = "", screen_multiple: str | None = None) -> Run:
             head.finish_sync(True)
 
     mb = 0
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for _ in range(base.sync.outer_steps * per_step):
             for k in range(REPLICAS):  # round robin: every replica steps in lockstep
                 microbatch(k, f"mb{mb}")
@@ -156,6 +166,12 @@ def train(poison: str = "", screen_multiple: str | None = None) -> Run:
                     run.paired[k] += 1
             b.apply_noloco(offer)
             b.finish_sync(True)
+        sums = [float(b.phi.double().sum()) for b in blocks]
+        run.fingerprints += sums
+        if until_wrecked and all(
+            not math.isfinite(x) or abs(x) > 10 * abs(sums[-1]) for x in sums[:-1]
+        ):
+            break
     evals = data.eval_batches(base.train.eval_batches, base.data.batch_size, base.data.seq_len)
     for k, b in enumerate(blocks):
         losses = [
@@ -174,8 +190,8 @@ def clean() -> Run:
 
 
 def test_runs_with_the_same_seeds_are_identical(clean: Run) -> None:
-    again = train()
-    assert again.eval_loss == clean.eval_loss
+    again = train(rounds=3)  # the first three rounds again: every replica's slow weights
+    assert again.fingerprints == clean.fingerprints[: 3 * REPLICAS]
     assert sum(clean.paired) >= REPLICAS * ROUNDS // 2  # replicas really average
     assert not any(clean.refused)  # and honest offers pass the screen
     assert clean.late == 0  # nothing spikes in a clean run: the replicas stay in lockstep
@@ -198,11 +214,15 @@ def test_a_poisoner_moves_the_others_eval_loss_by_under_1_percent(clean: Run, po
     assert all(abs(c) <= BOUND for c in change)
 
 
-def test_without_the_distance_rule_the_same_poisoner_wrecks_the_others(clean: Run) -> None:
-    run = train("scale:1000", screen_multiple="0")
-    # the x1000 offers are averaged in; within a round or two the replicas hold NaN (only
-    # then is anything refused: non-finite offers are, whatever the distance rule)
+def test_without_the_distance_rule_the_same_poisoner_wrecks_the_others() -> None:
+    run = train("scale:1000", screen_multiple="0", until_wrecked=True)
+    # the x1000 offers are averaged in: within a few rounds every honest replica holds
+    # weights a thousand times too large (or NaN), and the run stops there. The poisoner
+    # itself trains on honest weights of its own (only what it sends is corrupted): its
+    # eval loss after the same rounds is the measure of an unharmed replica
+    rounds = len(run.fingerprints) // REPLICAS
     assert all(p >= 1 for p in run.paired[: REPLICAS - 1])
     worst = max(run.honest_loss, key=lambda x: x if math.isfinite(x) else math.inf)
-    print(f"unscreened x1000: honest eval loss {run.honest_loss} vs clean {clean.honest_loss}")
-    assert not math.isfinite(worst) or worst > 1.1 * max(clean.honest_loss)
+    unharmed = run.eval_loss[-1]
+    print(f"unscreened x1000, {rounds} rounds: honest eval loss {run.honest_loss}, {unharmed}")
+    assert not math.isfinite(worst) or worst > 1.1 * unharmed
