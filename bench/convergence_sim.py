@@ -244,8 +244,13 @@ class SimulatedSwarm:
 
     def _diloco(self, row: list[StageRunner]) -> None:
         mean = torch.stack([r.outer_delta() for r in row]).mean(0)
+        places = [r.place for r in row]
         for r in row:
             r.apply_diloco(mean)
+        if all(places):  # every member shares its place: the mean, as the daemon's ring has it
+            mean_place = sum(p[0] for p in places) / len(places)
+            for r in row:
+                r.take_place(mean_place, self.ref_steps[r.stage])
 
     # ---- measurements -------------------------------------------------------------------
 

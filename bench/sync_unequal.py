@@ -15,6 +15,11 @@ outer schedule (``sync.schedule``):
 - ``clock_own_lr``: the clock schedule with pooling, each replica keeping its own place in
   the learning-rate schedule (``sync.share_schedule = false``; the default averages it with
   each partner, ``swarm.outer.pair_position``).
+- ``clock_diloco``: DiLoCo on the clock schedule, every round a ring all-reduce of the
+  stage's replicas that also averages their places in the schedule (``swarm.allreduce``'s
+  side values). A round counts as met when it all-reduced; every round leaves the stage one
+  copy of the slow weights, so there is no spread to compare, and the figure is how far
+  apart the replicas' places in the schedule end.
 
 For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
 steps per second, and its service rate (how much slower it is); for each stage: its spread,
@@ -56,6 +61,7 @@ VARIANTS = {
     "clock": {"sync.schedule": "clock"},
     "clock_unscaled": {"sync.schedule": "clock", "sync.scale_by_steps": "false"},
     "clock_own_lr": {"sync.schedule": "clock", "sync.share_schedule": "false"},
+    "clock_diloco": {"sync.schedule": "clock", "sync.method": "diloco"},
 }
 """What is compared: the H-step rule, the clock schedule, and the clock schedule without
 pseudo-gradients on one scale (``swarm.outer.scale_by_steps``)."""
@@ -120,6 +126,7 @@ def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
         sync = st.get("sync") or {}
         out[name] = {
             "step": st["step"],
+            "schedule_step": st.get("schedule_step", st["step"]),
             "throughput": st["throughput"],
             "rounds": dict(sync.get("rounds", {})),
             "spread_rms_mean": sync.get("spread_rms_mean"),
@@ -173,8 +180,12 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "stage": 1 if name in stage1 else 2,
             "slower": SPEEDS.get(name, 0),
             "rounds": rounds,
-            "paired_share": rounds.get("paired", 0) / total if total else 0.0,
+            # met a partner: paired (NoLoCo) or all-reduced (DiLoCo)
+            "paired_share": (rounds.get("paired", 0) + rounds.get("allreduced", 0)) / total
+            if total
+            else 0.0,
             "inner_steps": steps,
+            "schedule_step": end[name]["schedule_step"],
             "steps_per_s": steps / wall_s,
             "service_rate": end[name]["throughput"],
             "partner_distance_mean": end[name]["spread_rms_mean"],
@@ -188,6 +199,8 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "spread_samples": samples[str(stage)],
             "partner_distance_mean": statistics.mean(means) if means else None,
             "min_paired_share": min(replicas[n]["paired_share"] for n in names),
+            "schedule_place_range": max(replicas[n]["schedule_step"] for n in names)
+            - min(replicas[n]["schedule_step"] for n in names),
         }
     fast = statistics.mean(replicas[n]["steps_per_s"] for n in ("fast-a", "fast-b"))
     result = {
@@ -204,19 +217,21 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         },
     }
     s1, s2 = stages["1"], stages["2"]
-    result["spread_ratio_to_equal"] = s1["spread"] / s2["spread"]
+    # DiLoCo: one copy of the slow weights per stage after every round, no spread
+    result["spread_ratio_to_equal"] = s1["spread"] / s2["spread"] if s2["spread"] else None
     # the second half alone: past the first rounds, where the equal stage's spread is
     # still tiny and the ratio reads high (bench/sync_unequal_sim.py)
     half = len(s1["spread_samples"]) // 2
-    if half:
+    if half and s2["spread"]:
         late = [statistics.mean(s["spread_samples"][half:]) for s in (s1, s2)]
         result["spread_ratio_second_half"] = late[0] / late[1]
     log(
         f"{schedule}: min paired share stage 1 {s1['min_paired_share']:.2f}, "
         f"stage 2 {s2['min_paired_share']:.2f}; spread ratio "
-        f"{result.get('spread_ratio_to_equal', math.nan):.2f} (second half "
+        f"{result.get('spread_ratio_to_equal') or math.nan:.2f} (second half "
         f"{result.get('spread_ratio_second_half', math.nan):.2f}); fast/slow4 steps "
-        f"{result['fast_over_slowest_steps']:.1f}"
+        f"{result['fast_over_slowest_steps']:.1f}; stage 1 places {s1['schedule_place_range']:.1f} "
+        "steps apart"
     )
     return result
 
@@ -239,7 +254,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[1].bar(
             xs, [run_["replicas"][n]["steps_per_s"] for n in names], width, label=run_["schedule"]
         )
-    for ax, title in ((axes[0], "share of rounds paired"), (axes[1], "inner steps per second")):
+    titles = ((axes[0], "share of rounds met (paired or all-reduced)"), (axes[1], "steps/s"))
+    for ax, title in titles:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
         ax.set_xticklabels(names, rotation=30, fontsize=8)
         ax.set_title(title)
@@ -261,7 +277,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[2].set_title("spread: RMS of slow weights from the stage mean")
     axes[2].set_xlabel("minutes")
     axes[2].legend(fontsize=7)
-    fig.suptitle("NoLoCo, stage 1: two fast, one 2x and one 4x slower; stage 2: four equal")
+    fig.suptitle("Stage 1: two fast, one 2x and one 4x slower; stage 2: four equal")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -71,6 +71,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.total_steps:
         extra["train.total_steps"] = str(args.total_steps)
         extra["train.warmup_steps"] = str(args.warmup_steps)
+    extra["sync.method"] = args.method
     config = resolve_config(overrides={**SETTINGS, **VARIANTS[variant], **extra})
     swarm = SimulatedSwarm(config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round)
     spreads: dict[str, list[float]] = {"1": [], "2": []}
@@ -89,7 +90,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "seed": seed,
         "spread": spreads,
         "spread_mean": mean,
-        "spread_ratio": mean["1"] / mean["2"],
+        "spread_ratio": mean["1"] / mean["2"] if mean["2"] > 0 else None,
         "eval_loss": eval_loss,
         "inner_steps": {str(k): v for k, v in steps.items()},
         "schedule_places": {str(k): v for k, v in places.items()},
@@ -97,7 +98,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - t0, 1),
     }
     log(
-        f"{variant}, seed {seed}: spread ratio {out['spread_ratio']:.2f} (stage 1 "
+        f"{variant}, seed {seed}: spread ratio {out['spread_ratio'] or 0:.2f} (stage 1 "
         f"{mean['1']:.2e}, stage 2 {mean['2']:.2e}), eval {eval_loss:.4f}, stage-1 steps "
         f"{steps[1]}, places {[round(p) for p in places[1]]}, {out['wall_s']:.0f} s"
     )
@@ -110,7 +111,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in runs if r["variant"] == variant]
         ratios = [r["spread_ratio"] for r in mine]
         summary[variant] = {
-            "spread_ratio_mean": statistics.mean(ratios),
+            "spread_ratio_mean": None if None in ratios else statistics.mean(ratios),
             "spread_ratio": ratios,
             "spread_unequal_mean": statistics.mean(r["spread_mean"]["1"] for r in mine),
             "spread_equal_mean": statistics.mean(r["spread_mean"]["2"] for r in mine),
@@ -139,8 +140,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 rounds, [max(m, 1e-7) for m in mean], style, color=f"C{i}", label=label
             )
         ratios = result["summary"][variant]["spread_ratio"]
-        axes[1].scatter([i] * len(ratios), ratios, color=f"C{i}", alpha=0.6)
-        axes[1].bar(i, result["summary"][variant]["spread_ratio_mean"], color=f"C{i}", alpha=0.3)
+        if None not in ratios:  # DiLoCo: every round leaves one slow-weight copy, no spread
+            axes[1].scatter([i] * len(ratios), ratios, color=f"C{i}", alpha=0.6)
+            axes[1].bar(
+                i, result["summary"][variant]["spread_ratio_mean"], color=f"C{i}", alpha=0.3
+            )
     axes[0].set_title("slow weights' spread after each round (mean over seeds)")
     axes[0].set_xlabel("round")
     axes[0].legend(fontsize=7)
@@ -150,7 +154,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [f"{v}\neval {result['summary'][v]['eval_loss_mean']:.3f}" for v in variants]
     )
     axes[1].set_title("spread ratio, unequal stage / equal stage (each seed, and the mean)")
-    fig.suptitle("NoLoCo on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
+    method = {"noloco": "NoLoCo", "diloco": "DiLoCo"}[result["settings"].get("method", "noloco")]
+    fig.suptitle(f"{method} on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -160,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--round", type=int, default=8, help="global steps per round")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument(
+        "--method",
+        default="noloco",
+        choices=("noloco", "diloco"),
+        help="diloco: every round all-reduces, so the figures are eval loss and places",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument(
@@ -196,10 +207,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for variant in args.variants.split(",")
     ]
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    result = {"settings": {**settings, **SETTINGS, "speeds": SPEEDS}, "runs": runs}
+    result = {
+        "settings": {**SETTINGS, **settings, "sync.method": args.method, "speeds": SPEEDS},
+        "runs": runs,
+    }
     result["summary"] = summarise(runs)
     for variant, s in result["summary"].items():
-        log(f"{variant}: spread ratio {s['spread_ratio_mean']:.2f} {s['spread_ratio']}")
+        log(
+            f"{variant}: spread ratio {s['spread_ratio_mean']} {s['spread_ratio']}, "
+            f"eval loss {s['eval_loss_mean']:.4f}"
+        )
     name = args.name or ("sync_unequal_sim-quick" if args.quick else "sync_unequal_sim")
     save(result, args.out, name, None if args.no_plot else plot)
     return result

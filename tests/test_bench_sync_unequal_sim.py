@@ -35,3 +35,19 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
     assert ratios["shared"] < min(ratios["own_lr"], ratios["unpooled"], ratios["published"])
     equal_spreads = [r["spread_mean"]["2"] for r in runs.values()]
     assert max(equal_spreads) < 1.05 * min(equal_spreads)
+
+
+def test_diloco_rounds_give_the_unequal_stage_one_place_in_the_schedule(tmp_path: Path) -> None:
+    """DiLoCo's all-reduce leaves every replica of a stage the same slow weights and, with
+    the schedule shared (the daemon's ring carries the places beside the chunks), the same
+    place: the stage's mean steps. Each on its own schedule, a place is the steps taken."""
+    argv = ["--quick", "--method", "diloco", "--variants", "shared,own_lr", "--out", str(tmp_path)]
+    result = sync_unequal_sim.main([*argv, "--no-plot"])
+    runs = {r["variant"]: r for r in result["runs"]}
+    steps = runs["shared"]["inner_steps"]["1"]
+    assert min(steps) < max(steps) / 2  # unequal replicas: the 4x slower one took the fewest
+    places = runs["shared"]["schedule_places"]["1"]
+    assert max(places) - min(places) < 1.0  # one place (all that differs: steps since the round)
+    assert runs["own_lr"]["schedule_places"]["1"] == runs["own_lr"]["inner_steps"]["1"]
+    for run in runs.values():  # one slow-weight copy per stage: no spread to compare
+        assert run["spread_mean"] == {"1": 0.0, "2": 0.0} and run["spread_ratio"] is None
