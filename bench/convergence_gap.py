@@ -86,10 +86,11 @@ VARIANTS: dict[str, Variant] = {
         "noloco",
         ("--set", "sync.alpha=0", "--set", "sync.beta=1.0", "--set", "sync.gamma=1.0"),
     ),
-    "noloco_unit_step": Variant(
-        "NoLoCo, H = 50, beta 0.5: a steady step of one pseudo-gradient",
+    "pair_average_h5": Variant(
+        "NoLoCo's pairs, weights averaged every 5 inner steps",
         "noloco",
-        ("--set", "sync.beta=0.5"),
+        ("--outer-steps", "5", "--set", "sync.alpha=0", "--set", "sync.beta=1.0")
+        + ("--set", "sync.gamma=1.0"),
     ),
     "dp_half_lr": Variant(
         "data parallel, half the learning rate", "allreduce", ("--set", "train.lr=1e-3")

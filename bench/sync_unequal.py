@@ -16,10 +16,11 @@ outer schedule (``sync.schedule``):
   the learning-rate schedule (``sync.share_schedule = false``; the default averages it with
   each partner, ``swarm.outer.pair_position``).
 - ``clock_diloco``: DiLoCo on the clock schedule, every round a ring all-reduce of the
-  stage's replicas that also averages their places in the schedule (``swarm.allreduce``'s
-  side values). A round counts as met when it all-reduced; every round leaves the stage one
-  copy of the slow weights, so there is no spread to compare, and the figure is how far
-  apart the replicas' places in the schedule end.
+  stage's replicas, each keeping its own place in the schedule (the default;
+  ``clock_diloco_shared``: the ring averages the places too, ``sync.diloco_share_schedule``).
+  A round counts as met when it all-reduced; every round leaves the stage one copy of the
+  slow weights, so there is no spread to compare, and the figure is how far apart the
+  replicas' places in the schedule end.
 
 For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
 steps per second, and its service rate (how much slower it is); for each stage: its spread,
@@ -62,6 +63,11 @@ VARIANTS = {
     "clock_unscaled": {"sync.schedule": "clock", "sync.scale_by_steps": "false"},
     "clock_own_lr": {"sync.schedule": "clock", "sync.share_schedule": "false"},
     "clock_diloco": {"sync.schedule": "clock", "sync.method": "diloco"},
+    "clock_diloco_shared": {
+        "sync.schedule": "clock",
+        "sync.method": "diloco",
+        "sync.diloco_share_schedule": "true",
+    },
 }
 """What is compared: the H-step rule, the clock schedule, and the clock schedule without
 pseudo-gradients on one scale (``swarm.outer.scale_by_steps``)."""

@@ -72,6 +72,8 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         extra["train.total_steps"] = str(args.total_steps)
         extra["train.warmup_steps"] = str(args.warmup_steps)
     extra["sync.method"] = args.method
+    if args.method == "diloco":  # the variant's choice of schedule, by DiLoCo's own switch
+        extra["sync.diloco_share_schedule"] = VARIANTS[variant].get("sync.share_schedule", "true")
     config = resolve_config(overrides={**SETTINGS, **VARIANTS[variant], **extra})
     swarm = SimulatedSwarm(config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round)
     spreads: dict[str, list[float]] = {"1": [], "2": []}
@@ -128,6 +130,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     variants = list(result["summary"])
+    method = {"noloco": "NoLoCo", "diloco": "DiLoCo"}[result["settings"].get("method", "noloco")]
+    fig.suptitle(f"{method} on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
+    if method == "DiLoCo":  # one slow-weight copy per stage after every round: no spread
+        _plot_places_and_loss(result, variants, axes)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     for i, variant in enumerate(variants):
         mine = [r for r in result["runs"] if r["variant"] == variant]
         rounds = range(1, len(mine[0]["spread"]["1"]) + 1)
@@ -140,11 +149,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 rounds, [max(m, 1e-7) for m in mean], style, color=f"C{i}", label=label
             )
         ratios = result["summary"][variant]["spread_ratio"]
-        if None not in ratios:  # DiLoCo: every round leaves one slow-weight copy, no spread
-            axes[1].scatter([i] * len(ratios), ratios, color=f"C{i}", alpha=0.6)
-            axes[1].bar(
-                i, result["summary"][variant]["spread_ratio_mean"], color=f"C{i}", alpha=0.3
-            )
+        axes[1].scatter([i] * len(ratios), ratios, color=f"C{i}", alpha=0.6)
+        axes[1].bar(i, result["summary"][variant]["spread_ratio_mean"], color=f"C{i}", alpha=0.3)
     axes[0].set_title("slow weights' spread after each round (mean over seeds)")
     axes[0].set_xlabel("round")
     axes[0].legend(fontsize=7)
@@ -154,10 +160,36 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [f"{v}\neval {result['summary'][v]['eval_loss_mean']:.3f}" for v in variants]
     )
     axes[1].set_title("spread ratio, unequal stage / equal stage (each seed, and the mean)")
-    method = {"noloco": "NoLoCo", "diloco": "DiLoCo"}[result["settings"].get("method", "noloco")]
-    fig.suptitle(f"{method} on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _plot_places_and_loss(result: dict[str, Any], variants: list[str], axes: Any) -> None:
+    """DiLoCo: stage 1's inner steps and places in the schedule at the end (the first
+    seed), and each seed's eval loss per variant."""
+    first = [next(r for r in result["runs"] if r["variant"] == v) for v in variants]
+    names = ["fast", "fast", "2x slower", "4x slower"]
+    width = 0.8 / (len(variants) + 1)
+    xs = range(len(names))
+    axes[0].bar(xs, first[0]["inner_steps"]["1"], width, color="grey", label="inner steps")
+    for i, run_ in enumerate(first):
+        places = run_["schedule_places"]["1"]
+        label = f"place in the schedule, {run_['variant']}"
+        axes[0].bar([x + (i + 1) * width for x in xs], places, width, color=f"C{i}", label=label)
+    axes[0].set_xticks([x + width * len(variants) / 2 for x in xs])
+    axes[0].set_xticklabels(names)
+    axes[0].set_title(f"stage 1 at the end (seed {first[0]['seed']})")
+    axes[0].legend(fontsize=7)
+    for i, variant in enumerate(variants):
+        losses = [r["eval_loss"] for r in result["runs"] if r["variant"] == variant]
+        axes[1].scatter([i] * len(losses), losses, color=f"C{i}", alpha=0.7)
+        axes[1].bar(i, statistics.mean(losses), color=f"C{i}", alpha=0.3)
+    axes[1].set_ylim(min(r["eval_loss"] for r in result["runs"]) * 0.98)
+    axes[1].set_xticks(range(len(variants)))
+    axes[1].set_xticklabels(
+        [f"{v}\neval {result['summary'][v]['eval_loss_mean']:.3f}" for v in variants]
+    )
+    axes[1].set_title("eval loss at the end (each seed, and the mean)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

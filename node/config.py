@@ -243,6 +243,11 @@ class SyncConfig:
     """NoLoCo: average this replica's place in the inner learning-rate schedule with each
     partner's at an outer step, so a replica slower than the rest is not left warming up
     (equal replicas: the published rule, their places are the same)."""
+    diloco_share_schedule: bool = False
+    """DiLoCo: average the replicas' places in the inner learning-rate schedule over each
+    ring round (sent beside the pseudo-gradients). Off by default: with replicas of unequal
+    speed it trained no better than each keeping its own place, worse in five runs of six
+    (``bench/sync_unequal_sim.py --method diloco``, ``bench/README.md``)."""
     round_s: float = 0.0
     """Seconds per outer round on the clock schedule; 0: derived, H times the median of the
     stage's seconds per inner step, rounded up to a power of two (at least 4 s)."""

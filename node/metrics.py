@@ -457,8 +457,9 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
     )
     yield _counter(
         "murmur_sync_places_clamped",
-        "NoLoCo partners whose place in the learning-rate schedule was more than "
-        "PLACE_ROUNDS rounds' steps from ours, brought within that before averaging.",
+        "Outer steps (a NoLoCo pair, or a DiLoCo ring sharing places) whose mean place in "
+        "the learning-rate schedule lay more than half PLACE_ROUNDS rounds' steps from ours: "
+        "moved only that far.",
         sync.get("places_clamped", 0),
     )
     if "in_progress" in sync:

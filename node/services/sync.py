@@ -333,9 +333,10 @@ class StageSync:
                 raise RingFailed(f"a partner is already in the round of boundary {newer}")
 
     async def _diloco(self, round_: int) -> None:
-        """DiLoCo's outer step with the ring's mean pseudo-gradient; the ring also averages
-        the members' places in the learning-rate schedule (``sync.share_schedule``), which
-        on the clock schedule differ between replicas of unequal speed."""
+        """DiLoCo's outer step with the ring's mean pseudo-gradient; with
+        ``sync.diloco_share_schedule`` the ring also averages the members' places in the
+        learning-rate schedule, which on the clock schedule differ between replicas of
+        unequal speed."""
         round_id = f"diloco:{self.stage}:{round_}"
         delta = await self.runner.compute(self.runner.outer_delta)
         clock = round_ if self.clocked else None

@@ -493,8 +493,9 @@ class StageRunner:
     @property
     def place(self) -> list[float]:
         """What this replica says of its place in the schedule beside a DiLoCo round's
-        pseudo-gradient (``swarm.allreduce``'s side values): empty unless it shares it."""
-        return [self.schedule_step] if self.sync.share_schedule else []
+        pseudo-gradient (``swarm.allreduce``'s side values): empty unless it shares it
+        (``sync.diloco_share_schedule``)."""
+        return [self.schedule_step] if self.sync.diloco_share_schedule else []
 
     def take_place(self, mean: float, ref_steps: float = 0.0) -> None:
         """Move to ``mean``, the place in the schedule of the replicas we synchronised with
