@@ -58,6 +58,9 @@ class Variant:
     """What the gap is taken against: the study's data parallel run, or a variant's name."""
     site_corpus: bool = False
     """Trains on ``SITE_CORPUS`` (built first if missing) instead of the embedded corpus."""
+    seed: int = 0
+    """The seed of the run (data order and initial weights); its reference is the study's
+    data parallel run of the same seed."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -106,6 +109,20 @@ SITE = ("--set", f"data.path={SITE_CORPUS}")
 VARIANTS["site_noloco"] = Variant(
     "NoLoCo, H = 50, a corpus of 34M tokens", "noloco", SITE, reference="site_dp", site_corpus=True
 )
+VARIANTS["pair_average_h5_s1"] = Variant(
+    "NoLoCo's pairs, weights averaged every 5 inner steps (seed 1)",
+    "noloco",
+    VARIANTS["pair_average_h5"].args,
+    reference="study_s1",
+    seed=1,
+)
+VARIANTS["site_pair_average_h5"] = Variant(
+    "NoLoCo's pairs, weights averaged every 5 inner steps, a corpus of 34M tokens",
+    "noloco",
+    VARIANTS["pair_average_h5"].args + SITE,
+    reference="site_dp",
+    site_corpus=True,
+)
 VARIANTS["site_dp"] = Variant(
     "data parallel, a corpus of 34M tokens",
     "allreduce",
@@ -134,7 +151,7 @@ def run(name: str, threads: int) -> None:
 
         site_corpus.main([str(SITE_CORPUS)])
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--tokens", str(v.tokens), "--seeds", "0", "--replicas", "4"]
+        argv = ["--tokens", str(v.tokens), "--seeds", str(v.seed), "--replicas", "4"]
         argv += ["--methods", v.method, "--threads", str(threads), "--out", tmp, *v.args]
         log(f"{name}: bench.convergence {' '.join(argv)}")
         convergence.main(argv)
@@ -142,8 +159,9 @@ def run(name: str, threads: int) -> None:
         shutil.copy(Path(tmp) / "convergence.json", RUNS / f"{name}.json")
 
 
-def _curve(result: dict[str, Any], method: str) -> dict[str, Any]:
-    curve: dict[str, Any] = next(c for c in result["methods"][method]["curves"] if c["seed"] == 0)
+def _curve(result: dict[str, Any], method: str, seed: int = 0) -> dict[str, Any]:
+    curves = result["methods"][method]["curves"]
+    curve: dict[str, Any] = next(c for c in curves if c["seed"] == seed)
     return curve
 
 
@@ -163,17 +181,18 @@ def assemble() -> dict[str, Any]:
     curves: dict[str, tuple[str, dict[str, Any]]] = {
         f"study_{m}": (label, _curve(study, m)) for m, label in STUDY_CURVES.items()
     }
-    references: dict[str, dict[str, Any]] = {"study": dp}
+    references: dict[str, dict[str, Any]] = {"study": dp, "study_s1": _curve(study, "allreduce", 1)}
     for name, v in VARIANTS.items():
         path = RUNS / f"{name}.json"
         if path.exists():
-            curve = _curve(json.loads(path.read_text()), v.method)
+            curve = _curve(json.loads(path.read_text()), v.method, v.seed)
             curves[name] = (v.label, curve)
             references[name] = curve
     out: dict[str, Any] = {
         "seed": 0,
         "replicas_per_stage": study["replicas_per_stage"],
-        "reference": "data parallel, seed 0: the study's run at 5M tokens, dp_15m at 15M",
+        "reference": "data parallel of the same seed: the study's runs at 5M tokens, dp_15m at "
+        "15M, site_dp on the larger corpus",
         "variants": {},
     }
     for name, (label, curve) in curves.items():

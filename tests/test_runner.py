@@ -291,6 +291,15 @@ def test_a_partner_that_lies_about_its_place_moves_ours_by_a_bounded_step() -> N
     assert victim.places_clamped == 1
 
 
+def test_a_mean_place_beyond_the_float_range_is_not_taken() -> None:
+    """A DiLoCo ring's place is a sum: one member that sends 1.7e308 can push it to inf."""
+    r = runner(1)
+    r.schedule_step = 40.0
+    for mean in (math.inf, -math.inf, math.nan):
+        r.take_place(mean)
+    assert r.schedule_step == 40.0 and r.places_clamped == 3
+
+
 @pytest.mark.parametrize("position", [math.nan, math.inf, -2.0, 1e13, "7", True])
 def test_an_offer_with_a_place_no_honest_peer_sends_is_refused(position: object) -> None:
     a, b = runner(1), runner(1)

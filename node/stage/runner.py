@@ -502,6 +502,10 @@ class StageRunner:
         (a NoLoCo pair, or a DiLoCo ring), by at most half of ``PLACE_ROUNDS`` rounds' steps
         (``swarm.outer.shared_position``; moves beyond it are counted and logged)."""
         limit = PLACE_ROUNDS * max(self.sync.outer_steps, ref_steps)
+        if not math.isfinite(mean):  # a ring sum a liar pushed past the float range
+            self.places_clamped += 1
+            log.warning("partners' mean place in the schedule is %s: ours kept", mean)
+            return
         if abs(mean - self.schedule_step) > limit / 2:
             self.places_clamped += 1
             log.warning(
