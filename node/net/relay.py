@@ -428,7 +428,8 @@ class RelayClient:
         self._links: dict[str, _Link] = {}
         self._failed: dict[str, float] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._handling: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Link readers and the requests they hand on, held until each ends."""
 
     @property
     def addresses(self) -> list[str]:
@@ -509,8 +510,8 @@ class RelayClient:
         # relay's pings are answered only by a reader, and it drops a link that leaves them
         # unanswered for a heartbeat and a half.
         link.task = asyncio.create_task(self._serve_link(link))
-        self._handling.add(link.task)  # held until it ends: a spare link's, once closed
-        link.task.add_done_callback(self._handling.discard)
+        self._tasks.add(link.task)  # held until it ends: a spare link's, once closed
+        link.task.add_done_callback(self._tasks.discard)
         return link
 
     async def _serve_link(self, link: _Link) -> None:
@@ -519,8 +520,8 @@ class RelayClient:
                 if msg.type != aiohttp.WSMsgType.BINARY:
                     continue
                 task = asyncio.create_task(self._handle(link, msg.data))
-                self._handling.add(task)
-                task.add_done_callback(self._handling.discard)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         finally:
             if self._links.get(link.address) is link:  # one in use died (not a spare closed)
                 self._failed[link.address] = time.monotonic()
