@@ -25,6 +25,25 @@ FAST_SWARM = {
 evaluation, short hop and microbatch deadlines, and a silent peer expires after 4 s. Each
 test file adds or overrides what its scenario needs: ``{**FAST_SWARM, ...}``."""
 
+IN_PROCESS_REPLICA = {
+    "net.listen": "127.0.0.1:0",
+    "net.zeroconf": False,
+    "node.stage": "1",
+    "swarm.num_block_stages": 2,
+    "balance.benchmark_s": 0,
+}
+"""A ``node.daemon.Node`` run inside a test's event loop as a replica of block stage 1 (of
+2), on a free loopback port, without zeroconf or a speed benchmark; peers are introduced
+by the test (``table.observe``)."""
+
+
+async def outer_round(node: Any) -> None:
+    """One outer round of ``node`` (a ``Node``), as its sync service starts one when the
+    runner says it is due."""
+    assert node.sync is not None
+    node.sync.running = True
+    await node.sync._round("outer", 1)
+
 
 def wait_for(
     pred: Callable[[], Any],

@@ -19,15 +19,12 @@ import torch
 
 from node.config import resolve_config
 from node.daemon import Node
+from tests.helpers import IN_PROCESS_REPLICA, outer_round
 
 pytestmark = pytest.mark.timeout(60)
 
 SETTINGS = {
-    "net.listen": "127.0.0.1:0",
-    "net.zeroconf": False,
-    "node.stage": "1",
-    "swarm.num_block_stages": 2,
-    "balance.benchmark_s": 0,
+    **IN_PROCESS_REPLICA,
     "sync.method": "diloco",
     "sync.schedule": "steps",
     "sync.codec": "int8",
@@ -55,12 +52,6 @@ async def nodes() -> AsyncIterator[list[Node]]:
         await node.close()
 
 
-async def diloco_round(node: Node) -> None:
-    assert node.sync is not None
-    node.sync.running = True
-    await node.sync._round("outer", 1)
-
-
 def slow_weights(node: Node) -> torch.Tensor:
     assert node.runner is not None
     return node.runner.phi.clone()
@@ -71,7 +62,7 @@ async def test_a_ring_round_gives_every_member_the_mean_place(nodes: list[Node])
     for node, place in zip(nodes, (10.0, 20.0, 60.0), strict=True):
         assert node.runner is not None
         node.runner.schedule_step = place
-    await asyncio.gather(*(diloco_round(n) for n in nodes))
+    await asyncio.gather(*(outer_round(n) for n in nodes))
     for node in nodes:
         assert node.sync is not None and node.sync.rounds == {"allreduced": 1}
         assert node.runner is not None and node.runner.schedule_step == 30.0
@@ -89,7 +80,7 @@ async def test_a_member_that_lies_about_its_place_moves_the_others_a_bounded_ste
     honest, liar = (n.runner for n in nodes)
     assert honest is not None and liar is not None
     honest.schedule_step, liar.schedule_step = 100.0, 1e12
-    await asyncio.gather(*(diloco_round(n) for n in nodes))
+    await asyncio.gather(*(outer_round(n) for n in nodes))
     half = PLACE_ROUNDS * honest.sync.outer_steps / 2  # 8 rounds of H = 50, halved
     assert honest.schedule_step == 100.0 + half
     assert honest.places_clamped == 1  # counted (murmur_sync_places_clamped)
@@ -106,6 +97,6 @@ async def test_by_default_or_with_one_member_not_sharing_each_keeps_its_own_plac
     for node, place in zip(nodes, (4.0, 12.0), strict=True):
         assert node.runner is not None
         node.runner.schedule_step = place
-    await asyncio.gather(*(diloco_round(n) for n in nodes))
+    await asyncio.gather(*(outer_round(n) for n in nodes))
     assert [n.runner.schedule_step for n in nodes if n.runner] == [4.0, 12.0]
     assert all(n.sync is not None and n.sync.rounds == {"allreduced": 1} for n in nodes)

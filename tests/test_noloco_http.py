@@ -19,16 +19,13 @@ from aiohttp import web
 
 from node.config import resolve_config
 from node.daemon import Node
+from tests.helpers import IN_PROCESS_REPLICA, outer_round
 from tests.test_runner import noloco_by_the_rule
 
 pytestmark = pytest.mark.timeout(60)
 
 SETTINGS = {
-    "net.listen": "127.0.0.1:0",
-    "net.zeroconf": False,
-    "node.stage": "1",
-    "swarm.num_block_stages": 2,
-    "balance.benchmark_s": 0,
+    **IN_PROCESS_REPLICA,
     "sync.round_deadline_s": 10,
     "sync.request_timeout_s": 8,
     "sync.hold_s": 5,
@@ -88,13 +85,6 @@ async def drift(node: Node, seed: int) -> None:
                 p.add_(0.02 * torch.randn(p.shape, generator=gen))
 
     await runner.compute(move)
-
-
-async def outer_round(node: Node) -> None:
-    """One NoLoCo round, as the sync service starts it when the runner says one is due."""
-    assert node.sync is not None
-    node.sync.running = True
-    await node.sync._round("outer", 1)
 
 
 async def test_a_paired_round_over_http_follows_the_rule_on_both_sides(pair: Any) -> None:
