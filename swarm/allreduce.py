@@ -8,12 +8,14 @@ its right neighbour and adds the chunk ``r - t - 1`` that arrives from its left;
 finished chunks around. Each member sends ``2 (N - 1) / N`` of the data whatever ``N`` is,
 but pays ``2 (N - 1)`` message latencies and waits for the slowest link.
 
-A round may also carry a few scalars beside the tensor (``side``: the daemon's DiLoCo
-rounds send each member's place in the learning-rate schedule, which an int8 chunk could
-not carry exactly). They ride the reduce steps as running sums, in fp64 and never
-quantized: member ``r`` sends its own values plus what came from its left, so after the
-``N - 1`` reduce steps each member holds every member's sum and returns the mean. When one
-member sends none (an older or differently configured node), no member gets a mean.
+A round may also carry a few scalars beside the tensor (``side``: with
+``sync.diloco_share_schedule`` the daemon's DiLoCo rounds send each member's place in the
+learning-rate schedule, which an int8 chunk could not carry exactly). They ride the reduce
+steps as running sums, in fp64 and never quantized: member ``r`` sends its own values plus
+what came from its left, so after the ``N - 1`` reduce steps each member holds every
+member's sum (added in another order by each, so equal to the last bit only where the sums
+are exact, as for whole step counts) and returns the mean. When one member sends none (an
+older or differently configured node), no member gets a mean.
 
 What a real network adds: every member must agree on the member list (each chunk carries
 a hash of it, and a mismatch aborts the round), a chunk may arrive before its receiver has

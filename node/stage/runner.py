@@ -149,8 +149,9 @@ class StageRunner:
         self.schedule_step = 0.0
         """This replica's position in the learning-rate schedule, in the units of ``step``:
         it advances with ``step`` and, with ``sync.share_schedule``, is averaged with each
-        NoLoCo partner (``swarm.outer.pair_position``) or over a DiLoCo ring, so a slow
-        replica is not left in its warm-up while the stage's others have decayed."""
+        NoLoCo partner (``swarm.outer.pair_position``), so a slow replica is not left in its
+        warm-up while the stage's others have decayed (over a DiLoCo ring only with
+        ``sync.diloco_share_schedule``)."""
         self.places_clamped = 0
         """Mean places of the replicas we synchronised with that lay further from ours than
         half ``PLACE_ROUNDS`` rounds' steps (moved only that far: a peer that lies, or a bug)."""
