@@ -32,8 +32,10 @@ SETTINGS = {
 SHARE = {"sync.diloco_share_schedule": "true"}
 
 
-async def ring_of(n: int, **settings: object) -> list[Node]:
-    nodes = [Node(resolve_config(overrides={**SETTINGS, **settings})) for _ in range(n)]
+async def ring_of(*members: dict[str, str]) -> list[Node]:
+    """Replicas of stage 1 that know each other, one per entry of ``members``: the settings
+    each adds to ``SETTINGS``."""
+    nodes = [Node(resolve_config(overrides={**SETTINGS, **extra})) for extra in members]
     for node in nodes:
         await node.start_server()
         await node.take_stage(1)
@@ -58,7 +60,7 @@ def slow_weights(node: Node) -> torch.Tensor:
 
 
 async def test_a_ring_round_gives_every_member_the_mean_place(nodes: list[Node]) -> None:
-    nodes += await ring_of(3, **SHARE)
+    nodes += await ring_of(SHARE, SHARE, SHARE)
     for node, place in zip(nodes, (10.0, 20.0, 60.0), strict=True):
         assert node.runner is not None
         node.runner.schedule_step = place
@@ -76,7 +78,7 @@ async def test_a_member_that_lies_about_its_place_moves_the_others_a_bounded_ste
 ) -> None:
     from node.stage.runner import PLACE_ROUNDS
 
-    nodes += await ring_of(2, **SHARE)
+    nodes += await ring_of(SHARE, SHARE)
     honest, liar = (n.runner for n in nodes)
     assert honest is not None and liar is not None
     honest.schedule_step, liar.schedule_step = 100.0, 1e12
@@ -90,10 +92,7 @@ async def test_a_member_that_lies_about_its_place_moves_the_others_a_bounded_ste
 async def test_by_default_or_with_one_member_not_sharing_each_keeps_its_own_place(
     nodes: list[Node], mixed: bool
 ) -> None:
-    nodes += await ring_of(1, **(SHARE if mixed else {}))
-    nodes += await ring_of(1)
-    for me, other in ((nodes[0], nodes[1]), (nodes[1], nodes[0])):
-        me.table.observe(other.record(), me.clock.now())
+    nodes += await ring_of(SHARE if mixed else {}, {})
     for node, place in zip(nodes, (4.0, 12.0), strict=True):
         assert node.runner is not None
         node.runner.schedule_step = place
