@@ -14,7 +14,10 @@ could be:
   alpha = 0 and beta = gamma = 1, which sets each member of a pair to the pair's mean of
   ``theta``: plain averaging, in pairs), and the same every 50 and every 5 inner steps
   (``pair_average_h50``, ``pair_average_h5``; ``pair_average_h5_s1`` is seed 1, measured
-  against the study's data parallel seed 1, ``site_pair_average_h5`` the larger corpus);
+  against the study's data parallel seed 1, ``pair_average_h5_s2`` seed 2 against
+  ``dp_s2``, data parallel's seed 2, which the study does not hold;
+  ``site_pair_average_h5`` the larger corpus, ``site_pair_average_h5_s1`` its seed 1
+  against ``site_dp_s1``);
 - a smaller step (``dp_half_lr``: data parallel at half the learning rate);
 - the budget (``noloco_15m`` against ``dp_15m``: three times the tokens, the schedule
   stretched to match);
@@ -40,7 +43,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +114,6 @@ SITE = ("--set", f"data.path={SITE_CORPUS}")
 VARIANTS["site_noloco"] = Variant(
     "NoLoCo, H = 50, a corpus of 34M tokens", "noloco", SITE, reference="site_dp", site_corpus=True
 )
-VARIANTS["pair_average_h5_s1"] = Variant(
-    "NoLoCo's pairs, weights averaged every 5 inner steps (seed 1)",
-    "noloco",
-    VARIANTS["pair_average_h5"].args,
-    reference="study_s1",
-    seed=1,
-)
 VARIANTS["site_pair_average_h5"] = Variant(
     "NoLoCo's pairs, weights averaged every 5 inner steps, a corpus of 34M tokens",
     "noloco",
@@ -132,6 +128,20 @@ VARIANTS["site_dp"] = Variant(
     reference="site_dp",
     site_corpus=True,
 )
+VARIANTS["dp_s2"] = Variant("data parallel (seed 2)", "allreduce", (), reference="dp_s2", seed=2)
+
+
+def _other_seed(name: str, seed: int, reference: str) -> Variant:
+    """Variant ``name`` run with ``seed``, measured against ``reference`` (data parallel of
+    that seed on the same corpus)."""
+    v = VARIANTS[name]
+    return replace(v, label=f"{v.label} (seed {seed})", reference=reference, seed=seed)
+
+
+VARIANTS["pair_average_h5_s1"] = _other_seed("pair_average_h5", 1, "study_s1")
+VARIANTS["pair_average_h5_s2"] = _other_seed("pair_average_h5", 2, "dp_s2")
+VARIANTS["site_dp_s1"] = _other_seed("site_dp", 1, "site_dp_s1")
+VARIANTS["site_pair_average_h5_s1"] = _other_seed("site_pair_average_h5", 1, "site_dp_s1")
 STUDY_CURVES = {  # the study's seed-0 runs shown beside the variants
     "noloco": "NoLoCo, H = 50 (the study)",
     "diloco": "DiLoCo, H = 50 (the study)",

@@ -41,6 +41,12 @@ def test_the_committed_runs_assemble_against_their_own_reference() -> None:
     assert seed1["final_gap_to_dp"] == pytest.approx(
         seed1["final_eval_loss"] / dp1["eval_loss"][-1] - 1, abs=1e-4
     )
+    # seed 2, which the study does not hold, against its own data parallel run of seed 2
+    seed2, dp2 = variants["pair_average_h5_s2"], variants["dp_s2"]
+    assert dp2["final_gap_to_dp"] == 0.0 and dp2["eval_loss"][-1] != dp1["eval_loss"][-1]
+    assert seed2["final_gap_to_dp"] == pytest.approx(
+        seed2["final_eval_loss"] / dp2["final_eval_loss"] - 1, abs=1e-4
+    )
 
 
 def test_the_site_corpus_holds_each_long_docstring_once(tmp_path: Path) -> None:
