@@ -15,6 +15,9 @@ outer schedule (``sync.schedule``):
 - ``clock_own_lr``: the clock schedule with pooling, each replica keeping its own place in
   the learning-rate schedule (``sync.share_schedule = false``; the default averages it with
   each partner, ``swarm.outer.pair_position``).
+- ``clock_decayed``: the clock schedule with a slow replica's inner momentum decayed by the
+  steps it fell short of the stage's usual (``sync.decay_momentum``,
+  ``swarm.outer.momentum_decay``; off by default).
 - ``clock_diloco``: DiLoCo on the clock schedule, every round a ring all-reduce of the
   stage's replicas, each keeping its own place in the schedule (the default;
   ``clock_diloco_shared``: the ring averages the places too, ``sync.diloco_share_schedule``).
@@ -62,6 +65,7 @@ VARIANTS = {
     "clock": {"sync.schedule": "clock"},
     "clock_unscaled": {"sync.schedule": "clock", "sync.scale_by_steps": "false"},
     "clock_own_lr": {"sync.schedule": "clock", "sync.share_schedule": "false"},
+    "clock_decayed": {"sync.schedule": "clock", "sync.decay_momentum": "true"},
     "clock_diloco": {"sync.schedule": "clock", "sync.method": "diloco"},
     "clock_diloco_shared": {
         "sync.schedule": "clock",

@@ -16,7 +16,9 @@ steps (``bench/convergence_sim.py``), so that many rounds and seeds fit:
 Variants (``sync.*`` settings): ``shared`` (the default rule: pseudo-gradients pooled per
 inner step and the place in the learning-rate schedule averaged with the partner),
 ``own_lr`` (pooled, each replica on its own schedule), ``unpooled`` (the schedule shared,
-pseudo-gradients as they are) and ``published`` (the published rule on the clock: neither).
+pseudo-gradients as they are), ``published`` (the published rule on the clock: neither) and
+``decayed`` (the default with a slow replica's inner momentum decayed by the steps it fell
+short, ``sync.decay_momentum``).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
 mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
 data and same routes for every variant.
@@ -47,6 +49,7 @@ VARIANTS = {
     "own_lr": {"sync.share_schedule": "false"},
     "unpooled": {"sync.scale_by_steps": "false"},
     "published": {"sync.share_schedule": "false", "sync.scale_by_steps": "false"},
+    "decayed": {"sync.decay_momentum": "true"},
 }
 SETTINGS = {
     "swarm.num_block_stages": "2",

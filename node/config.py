@@ -243,6 +243,13 @@ class SyncConfig:
     """NoLoCo: average this replica's place in the inner learning-rate schedule with each
     partner's at an outer step, so a replica slower than the rest is not left warming up
     (equal replicas: the published rule, their places are the same)."""
+    decay_momentum: bool = False
+    """NoLoCo on the clock schedule: at each outer step a replica that took fewer inner
+    steps than the stage's usual number decays its inner Adam's first moment by beta1 to
+    the power of the steps it missed, so its momentum spans the same time as its
+    partners' (equal replicas: the published rule, their steps are the usual). Off by
+    default: it lowered the unequal stage's spread in six one-process runs of six, but the
+    one live pair of runs read higher (``bench/README.md``)."""
     diloco_share_schedule: bool = False
     """DiLoCo: average the replicas' places in the inner learning-rate schedule over each
     ring round (sent beside the pseudo-gradients). Off by default: with replicas of unequal

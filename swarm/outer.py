@@ -16,8 +16,10 @@ Every ``H`` inner steps it forms a group ``G`` with one random partner and, with
     theta  <- phi
 
 Defaults from the reference code: ``alpha = 0.5``, ``beta = gamma = 0.7``. A solo step
-(``G = {i}``, no partner) is the same rule without the pull term. The inner Adam state is
-never touched.
+(``G = {i}``, no partner) is the same rule without the pull term. The published rule never
+touches the inner Adam state. Our departures for replicas of unequal speed
+(``scale_by_steps``, ``pair_position``, ``momentum_decay``) leave equal replicas on the
+published rule; the last decays a slow replica's inner momentum.
 
 **DiLoCo** (Douillard et al., 2023, arXiv 2311.08105, algorithm 1). All replicas average
 the outer gradient ``delta = phi - theta``; the slow weights take one SGD step with
@@ -106,6 +108,26 @@ def scale_by_steps(steps: float, ref_steps: float) -> float:
     if steps <= 0 or ref_steps <= 0:
         return 0.0 if steps <= 0 else 1.0
     return min(MAX_STEP_SCALE, ref_steps / steps)
+
+
+def momentum_decay(steps: float, ref_steps: float, beta1: float) -> float:
+    """The factor on a replica's inner Adam first moment at an outer step on the clock:
+    ``beta1`` to the power of the inner steps it fell short of the stage's usual number
+    this round (1 when it took as many or more, or when ``ref_steps`` is unknown), as if it
+    had taken the missing steps with a zero gradient.
+
+    Our fourth departure for replicas of unequal speed (``docs/algorithms.md`` section 4;
+    the papers never touch the inner optimizer's state). Adam's first moment averages the
+    last ``1 / (1 - beta1)`` steps' gradients (10 at 0.9). A replica 4x slower than the
+    stage's usual takes those steps over four rounds' time, during which its pairings have
+    moved its slow weights several times: its momentum keeps pushing along gradients taken
+    at weights it no longer holds, in a direction its partners do not share, and the stage
+    spreads apart. Decayed by the steps it missed, its momentum remembers the same span of
+    wall-clock time as its partners'. Replicas at or above the usual pace are untouched, so
+    equal replicas keep the published rule up to the noise in their step counts."""
+    if ref_steps <= 0 or steps >= ref_steps:
+        return 1.0
+    return float(beta1 ** (ref_steps - max(0.0, steps)))
 
 
 def pair_position(own: float, partner: float, limit: float = math.inf) -> float:

@@ -118,6 +118,19 @@ def test_scale_by_steps_by_hand() -> None:
     assert scale_by_steps(5, 0.0) == 1.0  # no reference: the published rule
 
 
+def test_momentum_decay_by_hand() -> None:
+    """Adam's first moment decays by beta1 per inner step a replica fell short of the stage's
+    usual in a round, as if it had taken them with a zero gradient."""
+    from swarm.outer import momentum_decay
+
+    assert momentum_decay(2, 5.0, 0.9) == pytest.approx(0.9**3)  # 3 steps short
+    assert momentum_decay(3, 4.5, 0.9) == pytest.approx(0.9**1.5)  # a usual count need not be whole
+    assert momentum_decay(0, 4.0, 0.5) == 0.5**4  # no step at all: four missed
+    assert momentum_decay(5, 5.0, 0.9) == 1.0  # the usual pace: the published rule
+    assert momentum_decay(12, 5.0, 0.9) == 1.0  # faster replicas are not touched
+    assert momentum_decay(2, 0.0, 0.9) == 1.0  # no usual count (the steps schedule)
+
+
 def test_noloco_with_unequal_steps_by_hand() -> None:
     # i: theta 3, phi 1 (d 2 over 8 steps); j: d 1 over 2 steps, phi 2; both say 4 usual
     # pooled: 3 of displacement over 10 steps, 0.3 a step, times 4: g_bar 1.2; phi_bar 1.5

@@ -265,6 +265,44 @@ def test_a_noloco_pair_shares_its_place_in_the_learning_rate_schedule() -> None:
         assert copier.schedule_step == 1.0
 
 
+def test_a_replica_short_of_the_usual_steps_decays_its_inner_momentum() -> None:
+    """At an outer step on the clock, a replica that took 2 inner steps where the stage's
+    usual is 5 scales Adam's first moment by 0.9 ** 3 (``swarm.outer.momentum_decay``) and
+    leaves the second moment alone (``sync.decay_momentum`` on); at the usual pace, off the
+    clock (no usual count) or with the setting off (the default), nothing changes."""
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+
+    def stepped(**sync: str) -> StageRunner:
+        overrides = {"train.step_samples": "4", **{f"sync.{k}": v for k, v in sync.items()}}
+        r = StageRunner(resolve_config(None, {}, overrides), 1)
+        r._build()
+        for k in range(2):  # two inner steps of two microbatches
+            for mb in (f"a{k}", f"b{k}"):
+                r.block_forward(mb, x, train=True)
+                r.block_backward(mb, g)
+        assert r.round_steps == 2
+        return r
+
+    def moments(r: StageRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in r.optimizer.state.values()]
+
+    on = {"decay_momentum": "true"}
+    for sync, ref_steps, factor in (
+        (on, 5.0, 0.9**3),
+        (on, 2.0, 1.0),
+        (on, 0.0, 1.0),
+        ({}, 5.0, 1.0),  # off by default
+    ):
+        r = stepped(**sync)
+        before = moments(r)
+        r.apply_noloco(None, ref_steps)  # a solo outer step
+        after = moments(r)
+        assert len(after) == len(before) > 0
+        for (m0, v0), (m1, v1) in zip(before, after, strict=True):
+            assert torch.allclose(m1, m0 * factor, rtol=1e-6, atol=0), (sync, ref_steps)
+            assert torch.equal(v1, v0)
+
+
 def test_share_schedule_off_or_a_partner_that_says_no_place_keeps_its_own() -> None:
     mine = StageRunner(resolve_config(None, {}, {"sync.share_schedule": "false"}), 1)
     mine._build()

@@ -48,7 +48,13 @@ from node.stage.model import Attention, BlockStage, HeadStage, build_stage
 from node.stage.outer import Encoded, Offer, OuterState, is_place
 from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
-from swarm.outer import DiLoCoConfig, NoLoCoConfig, pair_position, shared_position
+from swarm.outer import (
+    DiLoCoConfig,
+    NoLoCoConfig,
+    momentum_decay,
+    pair_position,
+    shared_position,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -480,7 +486,9 @@ class StageRunner:
         """NoLoCo's outer step with a screened offer (or solo); returns the slow-weight spread.
         ``ref_steps`` as for ``outer_contribution``. With a partner that said its place in
         the learning-rate schedule (``sync.share_schedule`` on both), this replica takes the
-        pair's mean place (``swarm.outer.pair_position``)."""
+        pair's mean place (``swarm.outer.pair_position``). On the clock, a replica that took
+        fewer inner steps than ``ref_steps`` decays its inner momentum by the steps it missed
+        (``sync.decay_momentum``, ``swarm.outer.momentum_decay``)."""
         theta = self._theta()
         if offer is not None and offer.position >= 0 and self.sync.share_schedule:
             self.take_place(pair_position(self.schedule_step, offer.position), ref_steps)
@@ -489,7 +497,18 @@ class StageRunner:
         else:
             spread = self.outer.apply_noloco(theta, offer, self.noloco, self.round_steps, ref_steps)
         self._set_theta(theta)
+        if self.sync.decay_momentum:
+            self._decay_momentum(momentum_decay(self.round_steps, ref_steps, self.train.betas[0]))
         return spread
+
+    def _decay_momentum(self, factor: float) -> None:
+        """Scale the inner Adam's first moment by ``factor`` (``swarm.outer.momentum_decay``:
+        a replica that took fewer inner steps than the stage's usual this round)."""
+        if factor >= 1.0:
+            return
+        for state in self.optimizer.state.values():
+            if "exp_avg" in state:
+                state["exp_avg"].mul_(factor)
 
     @property
     def place(self) -> list[float]:
