@@ -248,8 +248,8 @@ class SyncConfig:
     steps than the stage's usual number decays its inner Adam's first moment by beta1 to
     the power of the steps it missed, so its momentum spans the same time as its
     partners' (equal replicas: the published rule, their steps are the usual). Off by
-    default: it lowered the unequal stage's spread in six one-process runs of six, but the
-    one live pair of runs read higher (``bench/README.md``)."""
+    default: it lowered the unequal stage's spread in six one-process runs of six, but both
+    live pairs of runs read higher (``bench/README.md``)."""
     diloco_share_schedule: bool = False
     """DiLoCo: average the replicas' places in the inner learning-rate schedule over each
     ring round (sent beside the pseudo-gradients). Off by default: with replicas of unequal
