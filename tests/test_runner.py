@@ -22,11 +22,15 @@ def test_lr_schedule() -> None:
     assert lr_at(10_000, t) == pytest.approx(0.1)
 
 
-def runner(stage: int, **train: str) -> StageRunner:
-    overrides = {"train.step_samples": "4", **{f"train.{k}": v for k, v in train.items()}}
+def built(overrides: dict[str, str], stage: int = 1) -> StageRunner:
+    """A runner of ``stage`` with its model and optimizer built, on these settings."""
     r = StageRunner(resolve_config(None, {}, overrides), stage)
     r._build()
     return r
+
+
+def runner(stage: int, **train: str) -> StageRunner:
+    return built({"train.step_samples": "4", **{f"train.{k}": v for k, v in train.items()}}, stage)
 
 
 def test_block_backward_matches_autograd_and_steps_after_step_samples() -> None:
@@ -273,9 +277,7 @@ def test_a_replica_short_of_the_usual_steps_decays_its_inner_momentum() -> None:
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
 
     def stepped(**sync: str) -> StageRunner:
-        overrides = {"train.step_samples": "4", **{f"sync.{k}": v for k, v in sync.items()}}
-        r = StageRunner(resolve_config(None, {}, overrides), 1)
-        r._build()
+        r = built({"train.step_samples": "4", **{f"sync.{k}": v for k, v in sync.items()}})
         for k in range(2):  # two inner steps of two microbatches
             for mb in (f"a{k}", f"b{k}"):
                 r.block_forward(mb, x, train=True)
@@ -304,8 +306,7 @@ def test_a_replica_short_of_the_usual_steps_decays_its_inner_momentum() -> None:
 
 
 def test_share_schedule_off_or_a_partner_that_says_no_place_keeps_its_own() -> None:
-    mine = StageRunner(resolve_config(None, {}, {"sync.share_schedule": "false"}), 1)
-    mine._build()
+    mine = built({"sync.share_schedule": "false"})
     other = runner(1)
     mine.schedule_step, other.schedule_step = 4.0, 12.0
     assert mine.outer_contribution("fp32")[1]["position"] == -1.0  # not said
@@ -356,9 +357,7 @@ def pipelined_runner(staleness: str, **overrides: str) -> StageRunner:
         "train.staleness": staleness,
         **overrides,
     }
-    r = StageRunner(resolve_config(None, {}, settings), 1)
-    r._build()
-    return r
+    return built(settings)
 
 
 @pytest.mark.parametrize(("staleness", "most"), [("stash", 3), ("2bw", 1)])
