@@ -17,7 +17,8 @@ could be:
   against the study's data parallel seed 1, ``pair_average_h5_s2`` seed 2 against
   ``dp_s2``, data parallel's seed 2, which the study does not hold;
   ``site_pair_average_h5`` the larger corpus, ``site_pair_average_h5_s1`` its seed 1
-  against ``site_dp_s1``);
+  against ``site_dp_s1``, and ``site_pair_average_h5_15m`` the larger corpus on 15M
+  tokens against ``site_dp_15m``);
 - a smaller step (``dp_half_lr``: data parallel at half the learning rate);
 - the budget (``noloco_15m`` against ``dp_15m``: three times the tokens, the schedule
   stretched to match);
@@ -142,6 +143,18 @@ VARIANTS["pair_average_h5_s1"] = _other_seed("pair_average_h5", 1, "study_s1")
 VARIANTS["pair_average_h5_s2"] = _other_seed("pair_average_h5", 2, "dp_s2")
 VARIANTS["site_dp_s1"] = _other_seed("site_dp", 1, "site_dp_s1")
 VARIANTS["site_pair_average_h5_s1"] = _other_seed("site_pair_average_h5", 1, "site_dp_s1")
+
+
+def _longer(name: str, tokens: int, reference: str) -> Variant:
+    """Variant ``name`` on a budget of ``tokens`` (the schedule stretched to match),
+    measured against ``reference`` (data parallel on that budget and corpus)."""
+    v = VARIANTS[name]
+    label = f"{v.label}, trained on {tokens / 1e6:g}M"
+    return replace(v, label=label, tokens=tokens, reference=reference)
+
+
+VARIANTS["site_dp_15m"] = _longer("site_dp", 15_000_000, "site_dp_15m")
+VARIANTS["site_pair_average_h5_15m"] = _longer("site_pair_average_h5", 15_000_000, "site_dp_15m")
 STUDY_CURVES = {  # the study's seed-0 runs shown beside the variants
     "noloco": "NoLoCo, H = 50 (the study)",
     "diloco": "DiLoCo, H = 50 (the study)",
