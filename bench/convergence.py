@@ -135,12 +135,15 @@ def live_weights(address: str, stage: int) -> torch.Tensor:
     return torch.cat(params)
 
 
-def run_live(settings: dict[str, str], milestones: list[int], log_dir: Path) -> Curve:
+def run_live(
+    settings: dict[str, str], milestones: list[int], log_dir: Path
+) -> tuple[Curve, list[dict[str, int]]]:
     """The configuration as real processes: 2 heads (shards 0 and 1 of 2), 2 block stages x 2
     replicas; the first head evaluates once past each milestone of tokens (both heads
     together). The swarm trains on while it evaluates (about one milestone's worth of tokens
     at the quick budget), so a point's tokens are the mean of the counts before and after
-    its evaluation, and the simulation is evaluated at those counts (``run_check``)."""
+    its evaluation, and the simulation is evaluated at those counts (``run_check``). Also
+    returns each block replica's inner steps and outer rounds by outcome (paired, solo, ...)."""
     swarm = LocalSwarm(
         log_dir,
         {
@@ -180,9 +183,14 @@ def run_live(settings: dict[str, str], milestones: list[int], log_dir: Path) -> 
             log(f"  live: {done:>9,} tokens  eval {curve.eval_loss[-1]:.4f}")
         curve.outer_rounds = fetch_status(blocks[0])["sync"]["outer_steps"]
         curve.inner_steps = fetch_status(blocks[0])["step"]
+        rounds = []
+        for address in blocks:
+            st = fetch_status(address)
+            rounds.append({"inner_steps": st["step"], **st["sync"].get("rounds", {})})
+        log(f"  live: block replicas' rounds {rounds}")
     finally:
         swarm.stop(grace_s=10)
-    return curve
+    return curve, rounds
 
 
 def run_check(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,7 +203,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     milestones = [0, *(args.check_tokens * (i + 1) // num_evals for i in range(num_evals))]
     log(f"live check: real processes, train.max_in_flight={settings['train.max_in_flight']}")
     with tempfile.TemporaryDirectory(prefix="convergence-live-") as tmp:
-        live = run_live(settings, milestones, Path(tmp))
+        live, rounds = run_live(settings, milestones, Path(tmp))
     log(
         f"live check: simulation at the live tokens, 2 replicas per stage, seeds "
         f"{args.seeds[0]} and {args.seeds[0] + 1}"
@@ -230,6 +238,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
         "simulated_other_seed": asdict(sims[1]),
         "simulated_in_flight": asdict(stale) if stale else None,
         "live": asdict(live),
+        "live_rounds": rounds,
         "live_vs_sim_max_gap": max(live_gap),
         "live_vs_sim_final_gap": live_gap[-1],
         "seed_noise_max_gap": max(noise),

@@ -43,4 +43,8 @@ def test_quick_live_check_runs_real_processes_beside_the_simulation(tmp_path: Pa
     # stable than the synchronous simulation: bench/README.md, the live check)
     assert min(live["eval_loss"][1:]) < live["eval_loss"][0] - 0.5
     assert all(s >= 0 for s in live["spread"]) and live["inner_steps"] > 0
+    # each block replica's inner steps and its rounds by outcome, read from the live nodes
+    rounds = check["live_rounds"]
+    assert len(rounds) == 4 and all(r["inner_steps"] > 0 for r in rounds)
+    assert all(sum(n for k, n in r.items() if k != "inner_steps") >= 1 for r in rounds)
     assert 0 <= check["live_vs_sim_final_gap"] < 1 and check["live_vs_sim_max_gap"] >= 0
