@@ -181,12 +181,10 @@ def run_live(
             curve.spread.append(statistics.mean(spreads))
             curve.wall_s.append(round(time.monotonic() - t0, 1))
             log(f"  live: {done:>9,} tokens  eval {curve.eval_loss[-1]:.4f}")
-        curve.outer_rounds = fetch_status(blocks[0])["sync"]["outer_steps"]
-        curve.inner_steps = fetch_status(blocks[0])["step"]
-        rounds = []
-        for address in blocks:
-            st = fetch_status(address)
-            rounds.append({"inner_steps": st["step"], **st["sync"].get("rounds", {})})
+        statuses = [fetch_status(address) for address in blocks]
+        curve.outer_rounds = statuses[0]["sync"]["outer_steps"]
+        curve.inner_steps = statuses[0]["step"]
+        rounds = [{"inner_steps": st["step"], **st["sync"].get("rounds", {})} for st in statuses]
         log(f"  live: block replicas' rounds {rounds}")
     finally:
         swarm.stop(grace_s=10)
