@@ -279,10 +279,15 @@ class SimulatedSwarm:
         return statistics.mean(out)
 
 
+def distances_from_mean(states: list[torch.Tensor]) -> list[float]:
+    """RMS distance of each replica's weights from the replicas' mean, one per replica."""
+    mean = torch.stack(states).mean(0)
+    return [float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states]
+
+
 def spread_of(states: list[torch.Tensor]) -> float:
     """RMS distance of each replica's weights from the replicas' mean, averaged over them."""
-    mean = torch.stack(states).mean(0)
-    return statistics.mean(float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states)
+    return statistics.mean(distances_from_mean(states))
 
 
 def simulate(

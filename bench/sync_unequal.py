@@ -30,7 +30,9 @@ steps per second, and its service rate (how much slower it is); for each stage: 
 the RMS distance of each replica's slow weights from the stage's mean (what NoLoCo's
 reference logs), sampled in the middle of a round (at most one a round, at least
 ``--sample-s`` apart) and averaged, and the mean RMS distance
-to the partner at pairing (the daemon's gauge). Targets (issue 20): on the
+to the partner at pairing (the daemon's gauge). Each replica's own distance from its stage's
+mean and its inner steps are kept per sample too (``distance_samples``,
+``steps_at_samples``), to see which replicas a rise in the spread comes from. Targets (issue 20): on the
 clock schedule at least 90 % of rounds paired on every replica, the fast replicas not held to
 the slowest one's pace, and stage 1's spread at most 2x stage 2's.
 
@@ -54,7 +56,7 @@ from typing import Any
 import torch
 
 from bench import save
-from bench.convergence_sim import spread_of
+from bench.convergence_sim import distances_from_mean
 from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
@@ -163,6 +165,9 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         start = snapshot(everyone)
         samples: dict[str, list[float]] = {"1": [], "2": []}
         sampled_s: list[float] = []  # seconds since t0 of each stage-1 sample
+        # per replica and sample: its distance from the stage mean, and its inner steps then
+        distances: dict[str, list[float]] = {n: [] for n in everyone}
+        steps_at: dict[str, list[int]] = {n: [] for n in everyone}
         while time.monotonic() - t0 < args.minutes * 60:
             to_mid_round(stage1["fast-a"], args.sample_s)
             if swarm.dead():
@@ -170,9 +175,11 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             sampled_s.append(round(time.monotonic() - t0, 1))
             for stage, names in (("1", stage1), ("2", stage2)):
                 to_mid_round(next(iter(names.values())))  # stage 2 may run another grid
-                samples[stage].append(
-                    spread_of([slow_weights(everyone[n], int(stage)) for n in names])
-                )
+                each = distances_from_mean([slow_weights(everyone[n], int(stage)) for n in names])
+                samples[stage].append(statistics.mean(each))
+                for name, distance in zip(names, each, strict=True):
+                    distances[name].append(distance)
+                    steps_at[name].append(fetch_status(everyone[name])["step"])
         end = snapshot(everyone)
         wall_s = time.monotonic() - t0
         eval_loss = request_eval(head)
@@ -200,6 +207,8 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "service_rate": end[name]["throughput"],
             "partner_distance_mean": end[name]["spread_rms_mean"],
             "round_s": end[name]["round_s"],
+            "distance_samples": distances[name],
+            "steps_at_samples": steps_at[name],
         }
     stages = {}
     for stage, names in ((1, list(stage1)), (2, list(stage2))):

@@ -40,4 +40,13 @@ def test_unequal_replicas_keep_pairing_on_the_clock_schedule(tmp_path: Path) -> 
     assert slower["slow4"] > 2.5 and slower["slow2"] > 1.5, slower  # the emulation works
     assert run["fast_over_slowest_steps"] >= 2.0, run["fast_over_slowest_steps"]
     assert run["spread_ratio_to_equal"] <= 3.0, run["stages"]
+    for name, replica in run["replicas"].items():  # each replica's share of its stage's spread
+        samples = run["stages"][str(replica["stage"])]["spread_samples"]
+        assert len(replica["distance_samples"]) == len(replica["steps_at_samples"]) == len(samples)
+        assert replica["steps_at_samples"] == sorted(replica["steps_at_samples"]), name
+    for stage in ("1", "2"):
+        names = [n for n, r in run["replicas"].items() if str(r["stage"]) == stage]
+        for i, spread in enumerate(run["stages"][stage]["spread_samples"]):
+            mean = sum(run["replicas"][n]["distance_samples"][i] for n in names) / len(names)
+            assert spread == pytest.approx(mean)
     assert (tmp_path / "sync_unequal-quick.json").is_file()
