@@ -131,6 +131,8 @@ class SimulatedSwarm:
         self.ref_steps = {s: self._usual_steps(s) for s in range(self.num_stages)}
         """Each stage's usual inner steps per round on the clock (``_usual_steps``)."""
         self.outer_rounds = 0
+        self.last_pairs: dict[int, list[tuple[int, int]]] = {}
+        """Stage -> the pairs (replica indices) of its last NoLoCo round."""
         self.steps_done = 0
         self.mb = 0
         self.pending: deque[tuple[str, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = (
@@ -235,7 +237,8 @@ class SimulatedSwarm:
         self.pair_rng.shuffle(order)
         codec = self.config.sync.codec
         offers = {i: row[i].outer_contribution(codec, ref_steps) for i in order}
-        for a, b in zip(order[0::2], order[1::2], strict=False):
+        self.last_pairs[row[0].stage] = list(zip(order[0::2], order[1::2], strict=False))
+        for a, b in self.last_pairs[row[0].stage]:
             offer_b, offer_a = row[a].decode_offer(offers[b]), row[b].decode_offer(offers[a])
             row[a].apply_noloco(offer_b, ref_steps)
             row[b].apply_noloco(offer_a, ref_steps)

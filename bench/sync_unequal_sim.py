@@ -21,7 +21,11 @@ pseudo-gradients as they are), ``published`` (the published rule on the clock: n
 short, ``sync.decay_momentum``).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
 mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
-data and same routes for every variant.
+data and same routes for every variant. With NoLoCo also, per round and stage, the *pair
+gap*: half the RMS difference between the two pairs' mean moves of their slow weights, over
+the pairs' mean move (a live run showed each stage's replicas sitting in two groups, those
+of its last pairs), and for stage 1 whether the round split it fast-with-fast and
+slow-with-slow.
 
 Writes ``bench/results/sync_unequal_sim.json`` and ``.png``.
 Usage: ``python -m bench.sync_unequal_sim [--rounds 30] [--seeds 0,1,2]``; ``--quick`` for
@@ -37,9 +41,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench import save
 from bench.convergence_sim import SimulatedSwarm
 from node.config import resolve_config
+from swarm.outer import rms_distance
 
 RESULTS = Path(__file__).parent / "results"
 SPEEDS = [1.0, 1.0, 0.5, 0.25]
@@ -80,12 +87,26 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     config = resolve_config(overrides={**SETTINGS, **VARIANTS[variant], **extra})
     swarm = SimulatedSwarm(config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round)
     spreads: dict[str, list[float]] = {"1": [], "2": []}
+    gaps: dict[str, list[float]] = {"1": [], "2": []}
+    split: list[bool] = []  # stage 1's round paired the fast two and the slow two
     t0 = time.monotonic()
     for _ in range(args.rounds):
+        before = {s: [r.phi.clone() for r in swarm.runners[int(s)]] for s in spreads}
+        swarm.last_pairs.clear()  # a stage whose round did not come due leaves none
         for _ in range(args.round):
             swarm.global_step()
         for stage in spreads:
             spreads[stage].append(swarm.slow_spread(int(stage)))
+            pairs = swarm.last_pairs.get(int(stage))
+            if args.method == "noloco" and pairs and len(pairs) == 2:
+                moves = [
+                    r.phi - b for r, b in zip(swarm.runners[int(stage)], before[stage], strict=True)
+                ]
+                gaps[stage].append(pair_gap(moves, pairs))
+                if stage == "1":
+                    split.append(
+                        {frozenset(p) for p in pairs} == {frozenset({0, 1}), frozenset({2, 3})}
+                    )
     eval_loss = swarm.evaluate()
     mean = {stage: statistics.mean(values) for stage, values in spreads.items()}
     steps = {stage: [r.step for r in swarm.runners[stage]] for stage in (1, 2)}
@@ -100,6 +121,8 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "inner_steps": {str(k): v for k, v in steps.items()},
         "schedule_places": {str(k): v for k, v in places.items()},
         "usual_steps": {str(k): v for k, v in swarm.ref_steps.items()},
+        "pair_gap": gaps,
+        "stage1_split": split,
         "wall_s": round(time.monotonic() - t0, 1),
     }
     log(
@@ -108,6 +131,18 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         f"{steps[1]}, places {[round(p) for p in places[1]]}, {out['wall_s']:.0f} s"
     )
     return out
+
+
+def pair_gap(moves: list[torch.Tensor], pairs: list[tuple[int, int]]) -> float:
+    """How differently a round's two pairs moved their slow weights: half the RMS difference
+    of the pairs' mean moves, over the mean RMS of those moves (0: the pairs moved alike)."""
+    (a, b), (c, d) = pairs
+    first, second = (moves[a] + moves[b]) / 2, (moves[c] + moves[d]) / 2
+    size = (
+        rms_distance(first, torch.zeros_like(first))
+        + rms_distance(second, torch.zeros_like(second))
+    ) / 2
+    return rms_distance(first, second) / 2 / size if size > 0 else 0.0
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,6 +157,16 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "spread_equal_mean": statistics.mean(r["spread_mean"]["2"] for r in mine),
             "eval_loss_mean": statistics.mean(r["eval_loss"] for r in mine),
         }
+        gaps = {s: [g for r in mine for g in r["pair_gap"][s]] for s in ("1", "2")}
+        if gaps["1"] and gaps["2"]:
+            by_kind: dict[bool, list[float]] = {True: [], False: []}  # split or mixed
+            for r in mine:
+                for gap, was_split in zip(r["pair_gap"]["1"], r["stage1_split"], strict=True):
+                    by_kind[was_split].append(gap)
+            split, mixed = by_kind[True], by_kind[False]
+            summary[variant]["pair_gap_mean"] = {s: statistics.mean(g) for s, g in gaps.items()}
+            summary[variant]["stage1_pair_gap_split"] = statistics.mean(split) if split else None
+            summary[variant]["stage1_pair_gap_mixed"] = statistics.mean(mixed) if mixed else None
     return summary
 
 
@@ -251,6 +296,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(
             f"{variant}: spread ratio {s['spread_ratio_mean']} {s['spread_ratio']}, "
             f"eval loss {s['eval_loss_mean']:.4f}"
+            + (
+                f", pair gap {s['pair_gap_mean']} (stage 1 split "
+                f"{s['stage1_pair_gap_split']}, mixed {s['stage1_pair_gap_mixed']})"
+                if "pair_gap_mean" in s
+                else ""
+            )
         )
     name = args.name or ("sync_unequal_sim-quick" if args.quick else "sync_unequal_sim")
     save(result, args.out, name, None if args.no_plot else plot)

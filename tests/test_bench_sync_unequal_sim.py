@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from bench import sync_unequal_sim
 
 
@@ -35,6 +38,24 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
     assert ratios["shared"] < min(ratios["own_lr"], ratios["unpooled"], ratios["published"])
     equal_spreads = [r["spread_mean"]["2"] for r in runs.values()]
     assert max(equal_spreads) < 1.05 * min(equal_spreads)
+    # every round's two pairs moved apart by some fraction of their move, and stage 1's
+    # rounds are counted as split (fast with fast) or mixed
+    for r in runs.values():
+        assert len(r["pair_gap"]["1"]) == len(r["pair_gap"]["2"]) == len(r["stage1_split"]) == 3
+        assert all(0 < g < 1 for s in ("1", "2") for g in r["pair_gap"][s]), r["pair_gap"]
+    assert set(result["summary"]["shared"]["pair_gap_mean"]) == {"1", "2"}
+
+
+def test_pair_gap_is_half_the_pairs_difference_over_their_move() -> None:
+    """Hand-computed: pairs whose mean moves are +1 and -1 everywhere lie 1 from their
+    midpoint, each move 1 in size: gap 1. Mean moves of 2 and 1: half their difference, 0.5,
+    over their mean size, 1.5. Pairs that moved alike: no gap."""
+    moves = [torch.full((4,), v) for v in (2.0, 0.0, -1.0, -1.0)]
+    assert sync_unequal_sim.pair_gap(moves, [(0, 1), (2, 3)]) == pytest.approx(1.0)
+    moves = [torch.full((4,), v) for v in (3.0, 1.0, 1.0, 1.0)]
+    assert sync_unequal_sim.pair_gap(moves, [(0, 1), (3, 2)]) == pytest.approx(0.5 / 1.5)
+    alike = [torch.ones(4)] * 4
+    assert sync_unequal_sim.pair_gap(alike, [(0, 3), (1, 2)]) == 0.0
 
 
 def test_diloco_rounds_give_the_unequal_stage_one_place_in_the_schedule(tmp_path: Path) -> None:
