@@ -57,6 +57,7 @@ from torch.nn.utils import parameters_to_vector
 from node.config import Config
 from node.data.dataset import TextDataset, open_dataset
 from node.stage.runner import StageRunner
+from swarm.outer import rms_distance
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -285,7 +286,7 @@ class SimulatedSwarm:
 def distances_from_mean(states: list[torch.Tensor]) -> list[float]:
     """RMS distance of each replica's weights from the replicas' mean, one per replica."""
     mean = torch.stack(states).mean(0)
-    return [float(torch.sqrt(torch.mean((s - mean) ** 2))) for s in states]
+    return [rms_distance(s, mean) for s in states]
 
 
 def spread_of(states: list[torch.Tensor]) -> float:
