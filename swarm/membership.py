@@ -18,7 +18,16 @@ Protocol"), ``docs/algorithms.md`` section 11:
   pushes it at once to ``fanout`` random members (infect and die), and piggybacks it on
   its next few pings and replies (``PIGGYBACK_MULT`` times log10 of the swarm's size), so
   news reaches every table in a few network round trips, no node misses it but with
-  probability about e^-(fanout + piggybacks), and a quiet swarm repeats nothing.
+  probability about e^-(fanout + piggybacks), and a quiet swarm repeats nothing. A
+  piggyback counts as spent only when its message was answered: a member that cannot be
+  dialled (behind a NAT, or down) does not use up news it never got.
+- **Anti-entropy.** News that missed a node anyway (it could not be dialled while the news
+  was fresh, and heard of it in none of the replies to its own requests) would be missed
+  for good in a quiet swarm. So every ``sync_s`` or so (jittered; the first within one
+  interval of starting) a node greets a random dialable member with its table and takes
+  the member's table back, as hashicorp/memberlist's push-pull does. The node starts the
+  exchange itself, so it works from behind a NAT. ``sync_s`` is at least ``SYNC_EVERY_S``
+  and grows with the table so that the exchanges take at most ``SYNC_SHARE`` of the budget.
 - **Failure detection.** Every ``heartbeat_s`` (jittered) a node pings the next member of a
   shuffled round-robin list (every member is pinged within one pass), and the member it
   *watches* (the next on the ring of its own stage's peer ids) when nothing has passed
@@ -134,6 +143,11 @@ the ring of stages one neighbourhood at a time, a minute and more across 80 stag
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
 PUSH_DELAY_S = 0.1
+SYNC_EVERY_S = 30.0
+"""Shortest mean interval between a node's whole-table exchanges (anti-entropy, below)."""
+SYNC_SHARE = 0.2
+"""Of ``budget_bytes_per_s``, what whole-table exchanges may take (in and out): in a larger
+table they are rarer, so that they cost a node the same at any size."""
 """How long news waits before it is pushed on, so news arriving together travels together."""
 FIGURES = frozenset(
     {
@@ -224,6 +238,7 @@ class MembershipService:
         self._lobby: dict[int, list[tuple[PeerRecord, float]]] = {}  # far greeters per stage
         self._far_next_s: float | None = None  # when we next greet a far stage's contact
         self._far_failed: dict[str, float] = {}  # far contacts that failed -> when
+        self._sync_next_s: float | None = None  # when we next exchange tables with a member
         self._push: asyncio.Task[None] | None = None
         self._order: list[str] = []  # this pass of the round-robin, next target last
         self._missing: dict[str, float] = {}  # member -> when a probe first missed it
@@ -252,6 +267,7 @@ class MembershipService:
             "incarnation": own.incarnation,
             "version": own.version,
             "refresh_s": round(self.refresh_s(), 1),
+            "sync_s": round(self.sync_s(), 1),
             "buried": self.num_buried,
             "news_waiting": len(self._news),
         }
@@ -272,12 +288,24 @@ class MembershipService:
         pushes = min(self.config.fanout, max(1, n - 1))
         per_node = pushes * (RECORD_BYTES + EXCHANGE_BYTES) + self._piggybacks(n) * RECORD_BYTES
         budget = self.config.budget_bytes_per_s
+        others = 2 * self._sync_bytes() / self.sync_s()  # we start one, are asked about one
         if self.table.scope is not None:  # each probe carries some, in and out, and each
-            summaries = 2 * SUMMARIES_PER_MESSAGE * SUMMARY_BYTES / self.config.heartbeat_s
+            others += 2 * SUMMARIES_PER_MESSAGE * SUMMARY_BYTES / self.config.heartbeat_s
             far = len(self._stages()) * SUMMARY_BYTES + RECORD_BYTES + EXCHANGE_BYTES
-            summaries += 2 * far / FAR_EVERY_S  # far greeting brings all (we answer as many)
-            budget = max(budget / 2, budget - summaries)
+            others += 2 * far / FAR_EVERY_S  # far greeting brings all (we answer as many)
+        budget = max(budget / 2, budget - others)
         return max(self.config.heartbeat_s, n * per_node * 2 / budget)
+
+    def _sync_bytes(self) -> int:
+        """About what one whole-table exchange costs: our table out, the member's back."""
+        return 2 * (len(self.table) + 1) * RECORD_BYTES + EXCHANGE_BYTES
+
+    def sync_s(self) -> float:
+        """Mean seconds between our whole-table exchanges: at least ``SYNC_EVERY_S``, and
+        as long as the exchanges we start and those we answer (about as many) need to fit
+        into ``SYNC_SHARE`` of the budget."""
+        share = SYNC_SHARE * self.config.budget_bytes_per_s
+        return max(SYNC_EVERY_S, 2 * self._sync_bytes() / share)
 
     def _publish(self, record: PeerRecord, now: float) -> None:
         self._version += 1
@@ -333,12 +361,11 @@ class MembershipService:
         """Whether a member of ``stage`` holds the stages ``news`` is about."""
         return news.stages is None or any(self.table.covers(s, stage) for s in news.stages)
 
-    def _piggyback(
-        self, stage: int = -1, heard: Ping | None = None
-    ) -> tuple[list[PeerRecord], list[Obituary]]:
+    def _piggyback(self, stage: int = -1, heard: Ping | None = None) -> list[_News]:
         """News for one more message, to a member of ``stage``: up to ``MAX_NEWS`` items it
         wants, the least spread first, less what it has just told us (``heard``: a reply
-        spent on news its asker brought would be spent for nothing)."""
+        spent on news its asker brought would be spent for nothing). Counted as spent; a
+        ping that is not answered gives them back (``_unspend``)."""
         known = {} if heard is None else _brought(heard)
         wanted = [
             n
@@ -349,7 +376,14 @@ class MembershipService:
         for news in items:
             news.piggy_left -= 1
         self._drop_spent(items)
-        return _split(items)
+        return items
+
+    def _unspend(self, items: list[_News]) -> None:
+        """Give back the piggybacks of a message that was not answered (unless newer news
+        of the same peer has taken an item's place meanwhile)."""
+        for news in items:
+            if self._news.setdefault(news.item.peer_id, news) is news:
+                news.piggy_left += 1
 
     def _drop_spent(self, items: list[_News]) -> None:
         for news in items:
@@ -699,8 +733,28 @@ class MembershipService:
         self._sighted -= greet
         if (far := self._far_contact(now, held)) is not None:
             self._spawn(self._ask_far(*far))
+        if (partner := self._sync_partner(now)) is not None:
+            self._spawn(self._sync(partner))
         await asyncio.gather(*probes, *(self.contact(a) for a in sorted(greet)))
         self.num_rounds += 1
+
+    def _sync_partner(self, now: float) -> str | None:
+        """Every ``sync_s`` or so (jittered, the first within one interval), the address of
+        a random member to exchange tables with: one dialled directly (a relayed member's
+        address is private)."""
+        if self._sync_next_s is None:
+            self._sync_next_s = now + self.sync_s() * self.rng.random()
+        if now < self._sync_next_s:
+            return None
+        self._sync_next_s = now + self.sync_s() * (0.5 + self.rng.random())
+        members = sorted(r.address for r in self.table.records() if not r.relays and r.address)
+        return self.rng.choice(members) if members else None
+
+    async def _sync(self, address: str) -> None:
+        """Exchange whole tables with a member (anti-entropy): what either side missed of
+        the news is merged, not spread again (the other nodes exchange tables too)."""
+        if not await self.contact(address):
+            log.debug("table exchange with %s failed", address)
 
     def _next_target(self) -> list[str]:
         """The next member of a shuffled round-robin pass (SWIM section 4.3)."""
@@ -741,11 +795,12 @@ class MembershipService:
         if record is None:
             return
         start = self.clock.now()
+        items = [] if bare else self._piggyback(record.stage)
         if bare:
             msg = self._ping_msg([], [], ask_record=False)
         else:
-            msg = self._ping_msg(*self._piggyback(record.stage), stage=record.stage)
-        if await self._ping(record, msg):
+            msg = self._ping_msg(*_split(items), stage=record.stage)
+        if await self._ping(record, msg, news=items):
             self._found(peer_id)
             return
         since = self._missing.setdefault(peer_id, start)
@@ -802,7 +857,10 @@ class MembershipService:
     def _bury_if_due(self, record: PeerRecord, since: float) -> bool:
         now = self.clock.now()
         peer_id = record.peer_id
-        if now - since < self.config.ttl_s or self.table.incarnation(peer_id) != record.incarnation:
+        # a wake-up at the deadline may read a hair before it (float sums; asyncio runs a
+        # timer up to its clock's resolution early): that is not a second early
+        early = now - since < self.config.ttl_s - 1e-6
+        if early or self.table.incarnation(peer_id) != record.incarnation:
             return False
         self._missing.pop(peer_id, None)
         self._others_missed.discard(peer_id)
@@ -859,13 +917,21 @@ class MembershipService:
             stages=[] if stage is None else self._summaries_for(stage),
         )
 
-    async def _ping(self, record: PeerRecord, msg: Ping, timeout_s: float | None = None) -> bool:
-        """Ping a member; True if it answered (its news taken)."""
+    async def _ping(
+        self,
+        record: PeerRecord,
+        msg: Ping,
+        timeout_s: float | None = None,
+        news: list[_News] | None = None,
+    ) -> bool:
+        """Ping a member; True if it answered (its news taken). The piggybacked ``news``
+        the ping carries is given back if it did not."""
         timeout_s = self.config.probe_timeout_s if timeout_s is None else timeout_s
         try:
             pong = expect(await self._ask(record, msg, timeout_s), Pong)
         except (TransportError, ValueError) as e:
             log.debug("ping to %s failed: %s", record.peer_id[:8], e)
+            self._unspend(news or [])
             return False
         now = self.clock.now()
         if pong.sender is not None and pong.sender.peer_id == record.peer_id:
@@ -1087,7 +1153,7 @@ class MembershipService:
             # its reply brings its own record (a plain ping: no suspicion if it fails)
             self._spawn(self._ask_back(held))
         stage = -1 if held is None else held.stage
-        news, deaths = ([], []) if ping.pull else self._piggyback(stage, heard=ping)
+        news, deaths = ([], []) if ping.pull else _split(self._piggyback(stage, heard=ping))
         sender = self.current() if ping.ask_record else None
         return Pong(sender=sender, news=news, deaths=deaths)
 
@@ -1098,7 +1164,8 @@ class MembershipService:
         record = self.table.get(probe.target)
         if record is None:
             raise Refused("unknown_target", f"this node holds no peer {probe.target[:16]}", 404)
-        if not await self._ping(record, self._ping_msg(*self._piggyback(record.stage))):
+        items = self._piggyback(record.stage)
+        if not await self._ping(record, self._ping_msg(*_split(items)), news=items):
             raise Refused("unreachable", f"peer {probe.target[:16]} did not answer", 504)
         return Pong()
 

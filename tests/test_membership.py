@@ -315,17 +315,23 @@ async def test_a_buried_peer_is_greeted_with_backoff_then_forgotten() -> None:
 
 def test_refresh_interval_fits_everyones_figures_into_the_budget() -> None:
     # n = 1000 members and us, fanout 8, 4 * ceil(log10(1002)) = 16 piggybacks: a record
-    # costs a node 8 pushes of (250 + 300 HTTP) bytes and 16 piggybacks of 250, in and out:
-    # 1001 * (8 * 550 + 16 * 250) * 2 / 4000 B/s = 4204.2 s.
+    # costs a node 8 pushes of (250 + 300 HTTP) bytes and 16 piggybacks of 250, in and out.
+    # A table exchange costs 2 * 1001 * 250 + 300 = 500,800 bytes; a node starts one and
+    # answers one every 2 * 500,800 / (0.2 * 4000) = 1252 s, 800 B/s of the 4000. So
+    # 1001 * (8 * 550 + 16 * 250) * 2 / 3200 B/s = 5255.25 s.
     net = SimNet(SimClock())
     svc = make(net, 0)
     svc.config = MembershipConfig(fanout=8, budget_bytes_per_s=4000.0)
     for i in range(1, 1001):
         svc.table.observe(PeerRecord(f"q{i}", f"10.1.{i // 250}.{i % 250}:1", 1), 0.0)
-    assert svc.refresh_s() == pytest.approx(1001 * (8 * 550 + 16 * 250) * 2 / 4000.0)
+    assert svc.sync_s() == pytest.approx(1252.0)
+    assert svc.refresh_s() == pytest.approx(1001 * (8 * 550 + 16 * 250) * 2 / 3200.0)
     assert RECORD_BYTES == 250 and EXCHANGE_BYTES == 300
-    small = make(net, 1)  # alone: 1 push, 4 piggybacks against the default 2000 B/s
-    assert small.refresh_s() == pytest.approx(max(1.0, (550 + 4 * 250) * 2 / 2000.0))
+    # alone: 1 push, 4 piggybacks; an 800-byte exchange every 30 s (the floor), twice,
+    # against the default 2000 B/s
+    small = make(net, 1)
+    assert small.sync_s() == 30.0
+    assert small.refresh_s() == pytest.approx((550 + 4 * 250) * 2 / (2000.0 - 1600 / 30))
 
 
 async def test_a_quiet_swarm_costs_the_same_per_node_at_any_size() -> None:
@@ -394,6 +400,52 @@ async def test_a_member_that_cannot_be_dialled_but_pings_stays_alive() -> None:
         await sw.run_for(0.1)
         assert sw.clock.t - start < 8.0 + 5.0, "still in a table"
     await sw.close()
+
+
+async def test_a_member_that_cannot_be_dialled_learns_of_a_join_it_missed() -> None:
+    # a NATed member (nobody dials it) whose uplink drops for 4 s (less than ttl_s, so
+    # nobody buries anybody) while a node joins: every push and piggyback of the join is
+    # spent by then, and in a quiet swarm nothing repeats it. Its own table exchanges
+    # with a member it can dial bring it.
+    sw, nodes = await joined(4)
+    natted = nodes[3].self_record().address
+    cut = [True]
+    real = sw.net.reachable
+    sw.net.reachable = lambda src, dst: (  # type: ignore[method-assign]
+        real(src, dst) and dst != natted and not (cut[0] and src == natted)
+    )
+    late = sw.add(4)
+    late.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(4.0)
+    assert all("p4" in n.table for n in nodes[:3]) and "p4" not in nodes[3].table
+    cut[0] = False
+    start = sw.clock.t
+    while "p4" not in nodes[3].table:
+        await sw.run_for(0.5)
+        # first exchange within one interval of starting, each later one within 1.5
+        assert sw.clock.t - start < 1.5 * nodes[3].sync_s(), "never heard of the join"
+    assert all(n.num_buried == 0 for n in nodes)
+    await sw.close()
+
+
+async def test_news_on_a_ping_that_is_not_answered_is_not_spent() -> None:
+    net = SimNet(SimClock())
+    svc, other = make(net, 0), make(net, 1)
+    svc.table.observe(other.self_record(), 0.0)
+    news = PeerRecord("q9", "10.1.0.9:1", 1)
+    svc.table.observe(news, 0.0)
+    svc._tell(news)
+    left = svc._news["q9"].piggy_left
+    del net.nodes[other.self_record().address]  # down: the ping waits out its timeout
+    probe = asyncio.ensure_future(svc._probe("p1"))
+    await net.clock.run_until(net.clock.t + 1.5)
+    assert svc._news["q9"].piggy_left == left  # given back
+    probe.cancel()
+    net.nodes[other.self_record().address] = other
+    answered = asyncio.ensure_future(svc._probe("p1"))
+    await net.clock.run_until(net.clock.t + 1.0)
+    await answered
+    assert "q9" in other.table and svc._news["q9"].piggy_left == left - 1
 
 
 # -- neighbourhood tables: a node holds its own stage and the two next to it ----------------
@@ -502,7 +554,8 @@ async def test_a_summary_of_a_stage_past_the_pipeline_is_not_kept() -> None:
 async def test_a_node_does_not_greet_a_far_bootstrap_again_once_it_answered() -> None:
     sw, nodes = await neighbourhoods(16)
     for node in nodes:
-        node._far_next_s = float("inf")  # its greetings of far stages for summaries aside
+        node._far_next_s = float("inf")  # its greetings of far stages for summaries aside,
+        node._sync_next_s = float("inf")  # and its table exchanges
     hellos = sw.net.by_type["hello"]
     await sw.run_for(20.0)
     assert sw.net.by_type["hello"] == hellos  # every far node's bootstrap (node 0) answered
