@@ -243,6 +243,12 @@ class SyncConfig:
     """NoLoCo: average this replica's place in the inner learning-rate schedule with each
     partner's at an outer step, so a replica slower than the rest is not left warming up
     (equal replicas: the published rule, their places are the same)."""
+    place_by_usual_steps: bool = True
+    """NoLoCo on the clock schedule, with sync.share_schedule: at each outer step a
+    replica's place in the inner learning-rate schedule advances by the stage's usual steps
+    per round, not by its own inner steps, before it is averaged with the partner's, so
+    replicas of unequal speed stay at one place (equal replicas: the published rule, their
+    steps are the usual)."""
     decay_momentum: bool = False
     """NoLoCo on the clock schedule: at each outer step a replica that took fewer inner
     steps than the stage's usual number decays its inner Adam's first moment by beta1 to

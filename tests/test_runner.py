@@ -305,6 +305,51 @@ def test_a_replica_short_of_the_usual_steps_decays_its_inner_momentum() -> None:
             assert torch.equal(v1, v0)
 
 
+def test_on_the_clock_places_advance_by_the_stages_usual_steps_not_each_replicas() -> None:
+    """A round in which two fast replicas took 3 inner steps and two slow ones 1, where the
+    stage's usual is 2, and the pairs were fast with fast and slow with slow. Keyed on their
+    own steps (``sync.place_by_usual_steps`` off) the pairs end at places 3 and 1, three
+    times the warm-up's rate apart; advanced by the usual steps every replica ends at
+    0 + 2 = 2. A solo step advances by it too; without a usual count (the steps schedule)
+    a place is the replica's own steps."""
+    x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+
+    def stepped(steps: int, **sync: str) -> StageRunner:
+        r = built({"train.step_samples": "4", **{f"sync.{k}": v for k, v in sync.items()}})
+        for k in range(steps):  # inner steps of two microbatches of 2 samples
+            for mb in (f"a{k}", f"b{k}"):
+                r.block_forward(mb, x, train=True)
+                r.block_backward(mb, g)
+        assert r.schedule_step == steps
+        return r
+
+    def paired_round(**sync: str) -> list[float]:
+        fast = [stepped(3, **sync), stepped(3, **sync)]
+        slow = [stepped(1, **sync), stepped(1, **sync)]
+        for a, b in (fast, slow):
+            offer_a, offer_b = a.outer_contribution("fp32", 2.0), b.outer_contribution("fp32", 2.0)
+            a.apply_noloco(a.decode_offer(offer_b), 2.0)
+            b.apply_noloco(b.decode_offer(offer_a), 2.0)
+        return [r.schedule_step for r in (*fast, *slow)]
+
+    assert paired_round() == [2.0, 2.0, 2.0, 2.0]
+    assert paired_round(place_by_usual_steps="false") == [3.0, 3.0, 1.0, 1.0]
+    solo = stepped(3)
+    solo.apply_noloco(None, 2.0)
+    solo.finish_sync(True)
+    assert solo.schedule_step == 2.0
+    for _ in range(3):  # the next round: 3 more steps, then the usual 2 from its last place
+        for mb in ("c", "d"):
+            solo.block_forward(mb, x, train=True)
+            solo.block_backward(mb, g)
+    assert solo.schedule_step == 5.0
+    solo.apply_noloco(None, 2.0)
+    assert solo.schedule_step == 4.0
+    unclocked = stepped(3)
+    unclocked.apply_noloco(None, 0.0)
+    assert unclocked.schedule_step == 3.0
+
+
 def test_share_schedule_off_or_a_partner_that_says_no_place_keeps_its_own() -> None:
     mine = built({"sync.share_schedule": "false"})
     other = runner(1)

@@ -157,7 +157,8 @@ class StageRunner:
         it advances with ``step`` and, with ``sync.share_schedule``, is averaged with each
         NoLoCo partner (``swarm.outer.pair_position``), so a slow replica is not left in its
         warm-up while the stage's others have decayed (over a DiLoCo ring only with
-        ``sync.diloco_share_schedule``)."""
+        ``sync.diloco_share_schedule``); on the clock it is first set to the stage's usual
+        steps past its place at the last outer step (``_round_place``)."""
         self.places_clamped = 0
         """Mean places of the replicas we synchronised with that lay further from ours than
         half ``PLACE_ROUNDS`` rounds' steps (moved only that far: a peer that lies, or a bug)."""
@@ -177,6 +178,7 @@ class StageRunner:
         self.pending_grads: torch.Tensor | None = None
         self.outer_rounds = 0
         self._outer_at_step = 0
+        self._place_at_outer = 0.0  # schedule_step just after the last outer step
         """``step`` at the last outer step: the inner steps of the current round follow it."""
         self.step_s = 0.0
         """Seconds per inner step (moving average; rounds excluded), 0 until measured."""
@@ -470,12 +472,34 @@ class StageRunner:
         round's inner steps and ``ref_steps`` (the stage's usual, for ``sync.scale_by_steps``;
         0 to apply the published rule as it is)."""
         theta, poison = self._theta(), self.sync.debug_poison
-        position = self.schedule_step if self.sync.share_schedule else -1.0
+        position = self._round_place(ref_steps) if self.sync.share_schedule else -1.0
         if not self.sync.scale_by_steps or ref_steps <= 0:
             return self.outer.contribution(theta, codec, poison, position=position)
         return self.outer.contribution(
             theta, codec, poison, self.round_steps, ref_steps, position=position
         )
+
+    def _round_place(self, ref_steps: float) -> float:
+        """This replica's place in the schedule at an outer step on the clock: with
+        ``sync.share_schedule``, ``sync.place_by_usual_steps`` and the stage's usual steps
+        per round known
+        (``ref_steps``), its place after the last outer step plus ``ref_steps``; otherwise
+        its place as its own inner steps moved it.
+
+        Our departure for replicas of unequal speed (``docs/algorithms.md`` section 4): a
+        fast replica takes more steps per round than a slow one, so places keyed on each
+        replica's own steps drift apart between pairings, and averaging them with a
+        partner's (``swarm.outer.pair_position``) leaves the two pairs of a round at places
+        a few steps apart. In the warm-up the learning rate is proportional to the place,
+        so the two pairs then move their slow weights by different amounts (a place of 20
+        against 25 is a quarter more rate): the unequal stage spreads apart while its
+        equal neighbour does not. Advanced by the stage's usual steps, every replica's
+        place moves alike, as in the papers, where every replica takes ``H`` steps a round.
+        Equal replicas take the usual number of steps: the published rule, up to the noise
+        in the estimate."""
+        if self.sync.share_schedule and self.sync.place_by_usual_steps and ref_steps > 0:
+            return self._place_at_outer + ref_steps
+        return self.schedule_step
 
     def decode_offer(self, partner: Encoded) -> Offer:
         """A partner's NoLoCo offer, decoded and measured against this replica (not applied);
@@ -488,8 +512,11 @@ class StageRunner:
         the learning-rate schedule (``sync.share_schedule`` on both), this replica takes the
         pair's mean place (``swarm.outer.pair_position``). On the clock, a replica that took
         fewer inner steps than ``ref_steps`` decays its inner momentum by the steps it missed
-        (``sync.decay_momentum``, ``swarm.outer.momentum_decay``)."""
+        (``sync.decay_momentum``, ``swarm.outer.momentum_decay``). On the clock, its place
+        first advances by the stage's usual steps for the round, not its own
+        (``sync.place_by_usual_steps``, ``_round_place``)."""
         theta = self._theta()
+        self.schedule_step = self._round_place(ref_steps)
         if offer is not None and offer.position >= 0 and self.sync.share_schedule:
             self.take_place(pair_position(self.schedule_step, offer.position), ref_steps)
         if not self.sync.scale_by_steps or ref_steps <= 0:
@@ -556,6 +583,7 @@ class StageRunner:
         if outer:
             self.outer_rounds += 1
             self._outer_at_step = self.step
+            self._place_at_outer = self.schedule_step
         self._last_step_t = time.monotonic()  # a round's wait is not an inner step's time
         self._maybe_step()
 
@@ -713,6 +741,7 @@ class StageRunner:
                 self.schedule_step = place
         self.outer_rounds = step // self.sync.outer_steps
         self._outer_at_step = step
+        self._place_at_outer = self.schedule_step
         sched = tensors.get("sched.lr_scale")
         if sched is not None and sched.shape == (2,) and bool(torch.isfinite(sched).all()):
             scale, until = float(sched[0]), int(sched[1])
