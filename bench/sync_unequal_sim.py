@@ -18,14 +18,15 @@ inner step and the place in the learning-rate schedule averaged with the partner
 ``own_lr`` (pooled, each replica on its own schedule), ``unpooled`` (the schedule shared,
 pseudo-gradients as they are), ``published`` (the published rule on the clock: neither) and
 ``decayed`` (the default with a slow replica's inner momentum decayed by the steps it fell
-short, ``sync.decay_momentum``).
+short, ``sync.decay_momentum``) and ``own_place`` (the default with each place advanced by
+the replica's own steps, not the stage's usual, ``sync.place_by_usual_steps`` off).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
 mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
 data and same routes for every variant. With NoLoCo also, per round and stage, the *pair
 gap*: half the RMS difference between the two pairs' mean moves of their slow weights, over
 the pairs' mean move (a live run showed each stage's replicas sitting in two groups, those
 of its last pairs), and for stage 1 whether the round split it fast-with-fast and
-slow-with-slow.
+slow-with-slow; the summary has each round's gap over the seeds (``gap_by_round``).
 
 Writes ``bench/results/sync_unequal_sim.json`` and ``.png``.
 Usage: ``python -m bench.sync_unequal_sim [--rounds 30] [--seeds 0,1,2]``; ``--quick`` for
@@ -59,6 +60,7 @@ VARIANTS = {
     "unpooled": {"sync.scale_by_steps": "false"},
     "published": {"sync.share_schedule": "false", "sync.scale_by_steps": "false"},
     "decayed": {"sync.decay_momentum": "true"},
+    "own_place": {"sync.place_by_usual_steps": "false"},
 }
 SETTINGS = {
     "swarm.num_block_stages": "2",
@@ -164,7 +166,21 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             summary[variant]["pair_gap_mean"] = {s: statistics.mean(g) for s, g in gaps.items()}
             summary[variant]["stage1_pair_gap_split"] = statistics.mean(split) if split else None
             summary[variant]["stage1_pair_gap_mixed"] = statistics.mean(mixed) if mixed else None
+            summary[variant]["pair_gap_by_round"] = gap_by_round(mine)
     return summary
+
+
+def gap_by_round(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each round's pair gap, per stage, as the mean over ``runs`` (seeds), and the ratio of
+    the unequal stage's to the equal one's: whether the unequal stage's excess is there
+    throughout or in some part of the run (the warm-up, say)."""
+    rounds = min(len(r["pair_gap"][s]) for r in runs for s in ("1", "2"))
+    out = {
+        s: [statistics.mean(r["pair_gap"][s][i] for r in runs) for i in range(rounds)]
+        for s in ("1", "2")
+    }
+    out["ratio"] = [a / b if b > 0 else 0.0 for a, b in zip(out["1"], out["2"], strict=True)]
+    return out
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -44,6 +44,7 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
         assert len(r["pair_gap"]["1"]) == len(r["pair_gap"]["2"]) == len(r["stage1_split"]) == 3
         assert all(0 < g < 1 for s in ("1", "2") for g in r["pair_gap"][s]), r["pair_gap"]
     assert set(result["summary"]["shared"]["pair_gap_mean"]) == {"1", "2"}
+    assert len(result["summary"]["shared"]["pair_gap_by_round"]["ratio"]) == 3
 
 
 def test_pair_gap_is_half_the_pairs_difference_over_their_move() -> None:
@@ -72,3 +73,16 @@ def test_diloco_rounds_give_the_unequal_stage_one_place_in_the_schedule(tmp_path
     assert runs["own_lr"]["schedule_places"]["1"] == runs["own_lr"]["inner_steps"]["1"]
     for run in runs.values():  # one slow-weight copy per stage: no spread to compare
         assert run["spread_mean"] == {"1": 0.0, "2": 0.0} and run["spread_ratio"] is None
+
+
+def test_gap_by_round_is_each_rounds_mean_over_seeds_and_the_stages_ratio() -> None:
+    """Hand-computed: two seeds, rounds cut to the shorter run's; round 0 reads stage 1
+    (0.4 + 0.2) / 2 = 0.3 against stage 2 (0.1 + 0.2) / 2 = 0.15, ratio 2."""
+    runs = [
+        {"pair_gap": {"1": [0.4, 0.3, 0.9], "2": [0.1, 0.3, 0.9]}},
+        {"pair_gap": {"1": [0.2, 0.1], "2": [0.2, 0.1]}},
+    ]
+    by_round = sync_unequal_sim.gap_by_round(runs)
+    assert by_round["1"] == pytest.approx([0.3, 0.2])
+    assert by_round["2"] == pytest.approx([0.15, 0.2])
+    assert by_round["ratio"] == pytest.approx([2.0, 1.0])
