@@ -18,8 +18,8 @@ inner step and the place in the learning-rate schedule averaged with the partner
 ``own_lr`` (pooled, each replica on its own schedule), ``unpooled`` (the schedule shared,
 pseudo-gradients as they are), ``published`` (the published rule on the clock: neither) and
 ``decayed`` (the default with a slow replica's inner momentum decayed by the steps it fell
-short, ``sync.decay_momentum``) and ``own_place`` (the default with each place advanced by
-the replica's own steps, not the stage's usual, ``sync.place_by_usual_steps`` off).
+short, ``sync.decay_momentum``) and ``usual_place`` (the default with each place set at an
+outer step by the stage's usual steps, not the replica's own, ``sync.place_by_usual_steps``).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
 mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
 data and same routes for every variant. With NoLoCo also, per round and stage, the *pair
@@ -60,7 +60,7 @@ VARIANTS = {
     "unpooled": {"sync.scale_by_steps": "false"},
     "published": {"sync.share_schedule": "false", "sync.scale_by_steps": "false"},
     "decayed": {"sync.decay_momentum": "true"},
-    "own_place": {"sync.place_by_usual_steps": "false"},
+    "usual_place": {"sync.place_by_usual_steps": "true"},
 }
 SETTINGS = {
     "swarm.num_block_stages": "2",

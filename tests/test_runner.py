@@ -308,10 +308,10 @@ def test_a_replica_short_of_the_usual_steps_decays_its_inner_momentum() -> None:
 def test_on_the_clock_places_advance_by_the_stages_usual_steps_not_each_replicas() -> None:
     """A round in which two fast replicas took 3 inner steps and two slow ones 1, where the
     stage's usual is 2, and the pairs were fast with fast and slow with slow. Keyed on their
-    own steps (``sync.place_by_usual_steps`` off) the pairs end at places 3 and 1, three
-    times the warm-up's rate apart; advanced by the usual steps every replica ends at
-    0 + 2 = 2. A solo step advances by it too; without a usual count (the steps schedule)
-    a place is the replica's own steps."""
+    own steps (``sync.place_by_usual_steps`` off, the default) the pairs end at places 3
+    and 1, three times the warm-up's rate apart; advanced by the usual steps every replica
+    ends at 0 + 2 = 2. A solo step advances by it too; without a usual count (the steps
+    schedule) a place is the replica's own steps."""
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
 
     def stepped(steps: int, **sync: str) -> StageRunner:
@@ -332,9 +332,10 @@ def test_on_the_clock_places_advance_by_the_stages_usual_steps_not_each_replicas
             b.apply_noloco(b.decode_offer(offer_a), 2.0)
         return [r.schedule_step for r in (*fast, *slow)]
 
-    assert paired_round() == [2.0, 2.0, 2.0, 2.0]
-    assert paired_round(place_by_usual_steps="false") == [3.0, 3.0, 1.0, 1.0]
-    solo = stepped(3)
+    usual = {"place_by_usual_steps": "true"}
+    assert paired_round(**usual) == [2.0, 2.0, 2.0, 2.0]
+    assert paired_round() == [3.0, 3.0, 1.0, 1.0]
+    solo = stepped(3, **usual)
     solo.apply_noloco(None, 2.0)
     solo.finish_sync(True)
     assert solo.schedule_step == 2.0
@@ -345,7 +346,7 @@ def test_on_the_clock_places_advance_by_the_stages_usual_steps_not_each_replicas
     assert solo.schedule_step == 5.0
     solo.apply_noloco(None, 2.0)
     assert solo.schedule_step == 4.0
-    unclocked = stepped(3)
+    unclocked = stepped(3, **usual)
     unclocked.apply_noloco(None, 0.0)
     assert unclocked.schedule_step == 3.0
 
