@@ -143,12 +143,12 @@ the ring of stages one neighbourhood at a time, a minute and more across 80 stag
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
 PUSH_DELAY_S = 0.1
+"""How long news waits before it is pushed on, so news arriving together travels together."""
 SYNC_EVERY_S = 30.0
-"""Shortest mean interval between a node's whole-table exchanges (anti-entropy, below)."""
+"""Shortest mean interval between a node's whole-table exchanges (anti-entropy, above)."""
 SYNC_SHARE = 0.2
 """Of ``budget_bytes_per_s``, what whole-table exchanges may take (in and out): in a larger
 table they are rarer, so that they cost a node the same at any size."""
-"""How long news waits before it is pushed on, so news arriving together travels together."""
 FIGURES = frozenset(
     {
         "step",

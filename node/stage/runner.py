@@ -178,8 +178,9 @@ class StageRunner:
         self.pending_grads: torch.Tensor | None = None
         self.outer_rounds = 0
         self._outer_at_step = 0
-        self._place_at_outer = 0.0  # schedule_step just after the last outer step
         """``step`` at the last outer step: the inner steps of the current round follow it."""
+        self._place_at_outer = 0.0
+        """``schedule_step`` just after the last outer step (``_round_place``)."""
         self.step_s = 0.0
         """Seconds per inner step (moving average; rounds excluded), 0 until measured."""
         self._last_step_t: float | None = None
@@ -481,12 +482,11 @@ class StageRunner:
 
     def _round_place(self, ref_steps: float) -> float:
         """This replica's place in the schedule at an outer step on the clock: with
-        ``sync.share_schedule``, ``sync.place_by_usual_steps`` and the stage's usual steps
-        per round known
-        (``ref_steps``), its place after the last outer step plus ``ref_steps``; otherwise
-        its place as its own inner steps moved it.
+        ``sync.share_schedule``, ``sync.place_by_usual_steps`` (off by default) and the
+        stage's usual steps per round known (``ref_steps``), its place after the last outer
+        step plus ``ref_steps``; otherwise its place as its own inner steps moved it.
 
-        Our departure for replicas of unequal speed (``docs/algorithms.md`` section 4): a
+        An optional departure for replicas of unequal speed (``docs/algorithms.md`` section 4): a
         fast replica takes more steps per round than a slow one, so places keyed on each
         replica's own steps drift apart between pairings, and averaging them with a
         partner's (``swarm.outer.pair_position``) leaves the two pairs of a round at places
