@@ -26,7 +26,11 @@ data and same routes for every variant. With NoLoCo also, per round and stage, t
 gap*: half the RMS difference between the two pairs' mean moves of their slow weights, over
 the pairs' mean move (a live run showed each stage's replicas sitting in two groups, those
 of its last pairs), and for stage 1 whether the round split it fast-with-fast and
-slow-with-slow; the summary has each round's gap over the seeds (``gap_by_round``).
+slow-with-slow; the summary has each round's gap over the seeds (``gap_by_round``). And
+per round and stage, the share of the spread that lies along the stage's mean move of its
+slow weights that round, with each stage-1 replica's lead along it (``progress_split``):
+whether the unequal stage spreads by some replicas getting ahead on the common path, or
+across it.
 
 Writes ``bench/results/sync_unequal_sim.json`` and ``.png``.
 Usage: ``python -m bench.sync_unequal_sim [--rounds 30] [--seeds 0,1,2]``; ``--quick`` for
@@ -92,6 +96,8 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     swarm = SimulatedSwarm(config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round)
     spreads: dict[str, list[float]] = {"1": [], "2": []}
     gaps: dict[str, list[float]] = {"1": [], "2": []}
+    along: dict[str, list[float]] = {"1": [], "2": []}  # share of the spread along the move
+    leads: list[list[float]] = []  # stage 1's replicas' leads along it, round by round
     split: list[bool] = []  # stage 1's round paired the fast two and the slow two
     t0 = time.monotonic()
     for _ in range(args.rounds):
@@ -101,11 +107,14 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             swarm.global_step()
         for stage in spreads:
             spreads[stage].append(swarm.slow_spread(int(stage)))
+            phis = [r.phi for r in swarm.runners[int(stage)]]
+            moves = [p - b for p, b in zip(phis, before[stage], strict=True)]
+            share, lead = progress_split(phis, moves)
+            along[stage].append(share)
+            if stage == "1":
+                leads.append(lead)
             pairs = swarm.last_pairs.get(int(stage))
             if args.method == "noloco" and pairs and len(pairs) == 2:
-                moves = [
-                    r.phi - b for r, b in zip(swarm.runners[int(stage)], before[stage], strict=True)
-                ]
                 gaps[stage].append(pair_gap(moves, pairs))
                 if stage == "1":
                     split.append(FAST in {frozenset(p) for p in pairs})
@@ -124,6 +133,8 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "schedule_places": {str(k): v for k, v in places.items()},
         "usual_steps": {str(k): v for k, v in swarm.ref_steps.items()},
         "pair_gap": gaps,
+        "along_share": along,
+        "stage1_lead": leads,
         "stage1_split": split,
         "wall_s": round(time.monotonic() - t0, 1),
     }
@@ -144,6 +155,27 @@ def pair_gap(moves: list[torch.Tensor], pairs: list[tuple[int, int]]) -> float:
     return rms_distance(first, second) / 2 / size if size > 0 else 0.0
 
 
+def progress_split(
+    phis: list[torch.Tensor], moves: list[torch.Tensor]
+) -> tuple[float, list[float]]:
+    """How much of a stage's spread lies along the round's mean move of its slow weights,
+    and each replica's lead along it. Returns the share of the replicas' squared distances
+    from their mean that lies along the mean move (0 to 1; a deviation in a random
+    direction has about one over the number of weights), and each replica's distance ahead
+    of the mean along the move, in rounds' moves (a replica that moved twice the mean, its
+    partners not at all, leads by 1.5 after one round)."""
+    move = torch.stack(moves).mean(0)
+    length = float(move.norm())
+    centre = torch.stack(phis).mean(0)
+    devs = [p - centre for p in phis]
+    total = sum(float(d.square().sum()) for d in devs)
+    if length == 0 or total == 0:
+        return 0.0, [0.0] * len(phis)
+    unit = move / length
+    on = [float(d @ unit) for d in devs]
+    return sum(x * x for x in on) / total, [x / length for x in on]
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     for variant in dict.fromkeys(r["variant"] for r in runs):
@@ -156,6 +188,16 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "spread_equal_mean": statistics.mean(r["spread_mean"]["2"] for r in mine),
             "eval_loss_mean": statistics.mean(r["eval_loss"] for r in mine),
         }
+        if all("along_share" in r for r in mine):
+            rounds = min(len(r["along_share"]["1"]) for r in mine)
+            summary[variant]["along_share_by_round"] = {
+                s: [statistics.mean(r["along_share"][s][i] for r in mine) for i in range(rounds)]
+                for s in ("1", "2")
+            }
+            summary[variant]["stage1_lead_by_round"] = [
+                [statistics.mean(r["stage1_lead"][i][k] for r in mine) for k in range(len(SPEEDS))]
+                for i in range(rounds)
+            ]
         gaps = {s: [g for r in mine for g in r["pair_gap"][s]] for s in ("1", "2")}
         if gaps["1"] and gaps["2"]:
             by_kind: dict[bool, list[float]] = {True: [], False: []}  # split or mixed
@@ -189,9 +231,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     variants = list(result["summary"])
     method = {"noloco": "NoLoCo", "diloco": "DiLoCo"}[result["settings"].get("method", "noloco")]
+    along = method == "NoLoCo" and all(
+        "along_share_by_round" in result["summary"][v] for v in variants
+    )
+    fig, axes = plt.subplots(1, 3 if along else 2, figsize=(19 if along else 13, 4.2))
     fig.suptitle(f"{method} on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
     if method == "DiLoCo":  # one slow-weight copy per stage after every round: no spread
         _plot_places_and_loss(result, variants, axes)
@@ -221,6 +266,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
         [f"{v}\neval {result['summary'][v]['eval_loss_mean']:.3f}" for v in variants]
     )
     axes[1].set_title("spread ratio, unequal stage / equal stage (each seed, and the mean)")
+    if along:
+        for i, variant in enumerate(variants):
+            shares = result["summary"][variant]["along_share_by_round"]
+            for stage, style in (("1", "-"), ("2", ":")):
+                rounds = range(1, len(shares[stage]) + 1)
+                axes[2].plot(
+                    rounds, shares[stage], style, color=f"C{i}", label=f"{variant}, stage {stage}"
+                )
+        axes[2].set_title("share of the spread along the round's mean move (mean over seeds)")
+        axes[2].set_xlabel("round")
+        axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -45,6 +45,12 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
         assert all(0 < g < 1 for s in ("1", "2") for g in r["pair_gap"][s]), r["pair_gap"]
     assert set(result["summary"]["shared"]["pair_gap_mean"]) == {"1", "2"}
     assert len(result["summary"]["shared"]["pair_gap_by_round"]["ratio"]) == 3
+    # each round: what share of each stage's spread lies along its mean move, and stage 1's
+    # leads along it (about the mean, so they sum to zero)
+    for r in runs.values():
+        assert all(0 <= x <= 1 for s in ("1", "2") for x in r["along_share"][s])
+        assert [sum(lead) for lead in r["stage1_lead"]] == pytest.approx([0.0] * 3, abs=1e-4)
+    assert len(result["summary"]["shared"]["stage1_lead_by_round"]) == 3
 
 
 def test_pair_gap_is_half_the_pairs_difference_over_their_move() -> None:
@@ -86,3 +92,15 @@ def test_gap_by_round_is_each_rounds_mean_over_seeds_and_the_stages_ratio() -> N
     assert by_round["1"] == pytest.approx([0.3, 0.2])
     assert by_round["2"] == pytest.approx([0.15, 0.2])
     assert by_round["ratio"] == pytest.approx([2.0, 1.0])
+
+
+def test_progress_split_by_hand() -> None:
+    """Two replicas from the origin: one moved (2, 1), the other (0, -1). The mean move is
+    (1, 0), of length 1; each lies (1, 1) or (-1, -1) from their mean, so half of the
+    squared spread (2 of 4) lies along the move and their leads are +1 and -1 rounds' moves.
+    Replicas that moved alike have no spread to split."""
+    phis = [torch.tensor([2.0, 1.0]), torch.tensor([0.0, -1.0])]
+    share, leads = sync_unequal_sim.progress_split(phis, phis)
+    assert share == pytest.approx(0.5) and leads == pytest.approx([1.0, -1.0])
+    alike = [torch.tensor([1.0, 0.0])] * 2
+    assert sync_unequal_sim.progress_split(alike, alike) == (0.0, [0.0, 0.0])
