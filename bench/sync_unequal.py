@@ -18,6 +18,9 @@ outer schedule (``sync.schedule``):
 - ``clock_decayed``: the clock schedule with a slow replica's inner momentum decayed by the
   steps it fell short of the stage's usual (``sync.decay_momentum``,
   ``swarm.outer.momentum_decay``; off by default).
+- ``clock_short_warmup``: the clock schedule with a 2-step warm-up (``train.warmup_steps =
+  2``; the default is 60). The fast replicas take about 100 inner steps in ten minutes, so
+  the default warm-up fills the run; in a long run it is the first 2 %.
 - ``clock_diloco``: DiLoCo on the clock schedule, every round a ring all-reduce of the
   stage's replicas, each keeping its own place in the schedule (the default;
   ``clock_diloco_shared``: the ring averages the places too, ``sync.diloco_share_schedule``).
@@ -68,6 +71,7 @@ VARIANTS = {
     "clock_unscaled": {"sync.schedule": "clock", "sync.scale_by_steps": "false"},
     "clock_own_lr": {"sync.schedule": "clock", "sync.share_schedule": "false"},
     "clock_decayed": {"sync.schedule": "clock", "sync.decay_momentum": "true"},
+    "clock_short_warmup": {"sync.schedule": "clock", "train.warmup_steps": "2"},
     "clock_diloco": {"sync.schedule": "clock", "sync.method": "diloco"},
     "clock_diloco_shared": {
         "sync.schedule": "clock",
@@ -75,8 +79,9 @@ VARIANTS = {
         "sync.diloco_share_schedule": "true",
     },
 }
-"""What is compared: the H-step rule, the clock schedule, and the clock schedule without
-pseudo-gradients on one scale (``swarm.outer.scale_by_steps``)."""
+"""What is compared (see the module docstring): by default the H-step rule, the clock
+schedule, and the clock schedule without pseudo-gradients on one scale; the rest on
+request (``--schedules``)."""
 SPEEDS = {"fast-a": 0, "fast-b": 0, "slow2": 2, "slow4": 4}
 """Stage-1 replicas: name -> how many times slower (0: full speed)."""
 CONTROL = ("equal-a", "equal-b", "equal-c", "equal-d")
