@@ -12,6 +12,7 @@ schedule the fast replicas were held to the slowest one's pace with short rounds
 every round solo with long ones: ``bench/README.md``.)
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -49,4 +50,21 @@ def test_unequal_replicas_keep_pairing_on_the_clock_schedule(tmp_path: Path) -> 
         for i, spread in enumerate(run["stages"][stage]["spread_samples"]):
             mean = sum(run["replicas"][n]["distance_samples"][i] for n in names) / len(names)
             assert spread == pytest.approx(mean)
+    low, high = run["spread_ratio_interval"]
+    assert low <= run["spread_ratio_to_equal"] <= high
     assert (tmp_path / "sync_unequal-quick.json").is_file()
+
+
+def test_ratio_interval_by_hand() -> None:
+    """Stage 1 always at twice stage 2: every redraw gives 2. Two rounds reading 1/1 and
+    3/1: a redraw takes the first twice (ratio 1), the second twice (3) or one of each (2),
+    each a quarter, a quarter and a half of the time, so the 5th and 95th percentiles of
+    2,000 redraws are 1 and 3. No equal-stage spread at all: no interval."""
+    import random
+
+    from bench.sync_unequal import ratio_interval
+
+    assert ratio_interval([2.0, 4.0, 6.0], [1.0, 2.0, 3.0], random.Random(1)) == (2.0, 2.0)
+    assert ratio_interval([1.0, 3.0], [1.0, 1.0], random.Random(1)) == (1.0, 3.0)
+    low, high = ratio_interval([1.0], [0.0], random.Random(1))
+    assert math.isnan(low) and math.isnan(high)
