@@ -275,7 +275,7 @@ def ratio_interval(
     times, and the 5th and 95th percentiles of the ratios of the drawn means. A run holds
     about ten rounds, whose ratios swing several-fold, so its one figure says less than it
     seems; this says how much less."""
-    pairs = [(a, b) for a, b in zip(unequal, equal, strict=True)]
+    pairs = list(zip(unequal, equal, strict=True))
     ratios = []
     for _ in range(draws):
         drawn = rng.choices(pairs, k=len(pairs))
