@@ -35,10 +35,11 @@ reference logs), sampled in the middle of a round (at most one a round, at least
 ``--sample-s`` apart) and averaged, and the mean RMS distance to the partner at pairing (the
 daemon's gauge). Each replica's own distance from its stage's mean and its inner steps are
 kept per sample too (``distance_samples``, ``steps_at_samples``), to see which replicas a
-rise in the spread comes from. The ratio of the stages' spreads comes with a 90 % bootstrap
-interval over the run's rounds (``ratio_interval``): ten rounds' ratios swing several-fold. Targets (issue 20): on the clock schedule at least 90 % of
-rounds paired on every replica, the fast replicas not held to the slowest one's pace, and
-stage 1's spread at most 2x stage 2's.
+rise in the spread comes from. The ratio of the stages' spreads comes with a 90 %
+bootstrap interval over the run's rounds (``ratio_interval``): ten rounds' ratios swing
+several-fold. Targets (issue 20): on the clock schedule at least 90 % of rounds paired on
+every replica, the fast replicas not held to the slowest one's pace, and stage 1's spread
+at most 2x stage 2's.
 
 Writes ``bench/results/sync_unequal.json`` and ``sync_unequal.png``.
 Usage: ``python -m bench.sync_unequal [--minutes 10] [--round-s 64]``; ``--quick`` for the

@@ -189,11 +189,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "eval_loss_mean": statistics.mean(r["eval_loss"] for r in mine),
         }
         if all("along_share" in r for r in mine):
-            rounds = min(len(r["along_share"]["1"]) for r in mine)
-            summary[variant]["along_share_by_round"] = {
-                s: [statistics.mean(r["along_share"][s][i] for r in mine) for i in range(rounds)]
-                for s in ("1", "2")
-            }
+            summary[variant]["along_share_by_round"] = round_means(mine, "along_share")
+            rounds = len(summary[variant]["along_share_by_round"]["1"])
             summary[variant]["stage1_lead_by_round"] = [
                 [statistics.mean(r["stage1_lead"][i][k] for r in mine) for k in range(len(SPEEDS))]
                 for i in range(rounds)
@@ -212,15 +209,20 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def round_means(runs: list[dict[str, Any]], key: str) -> dict[str, list[float]]:
+    """Per stage, each round's figure ``key`` as the mean over ``runs`` (seeds), over the
+    rounds every run has for both stages."""
+    rounds = min(len(r[key][s]) for r in runs for s in ("1", "2"))
+    return {
+        s: [statistics.mean(r[key][s][i] for r in runs) for i in range(rounds)] for s in ("1", "2")
+    }
+
+
 def gap_by_round(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Each round's pair gap, per stage, as the mean over ``runs`` (seeds), and the ratio of
     the unequal stage's to the equal one's: whether the unequal stage's excess is there
     throughout or in some part of the run (the warm-up, say)."""
-    rounds = min(len(r["pair_gap"][s]) for r in runs for s in ("1", "2"))
-    out = {
-        s: [statistics.mean(r["pair_gap"][s][i] for r in runs) for i in range(rounds)]
-        for s in ("1", "2")
-    }
+    out = round_means(runs, "pair_gap")
     out["ratio"] = [a / b if b > 0 else 0.0 for a, b in zip(out["1"], out["2"], strict=True)]
     return out
 
