@@ -93,7 +93,9 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.method == "diloco":  # the variant's choice of schedule, by DiLoCo's own switch
         extra["sync.diloco_share_schedule"] = VARIANTS[variant].get("sync.share_schedule", "true")
     config = resolve_config(overrides={**SETTINGS, **VARIANTS[variant], **extra})
-    swarm = SimulatedSwarm(config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round)
+    swarm = SimulatedSwarm(
+        config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round, in_flight=args.in_flight
+    )
     spreads: dict[str, list[float]] = {"1": [], "2": []}
     gaps: dict[str, list[float]] = {"1": [], "2": []}
     along: dict[str, list[float]] = {"1": [], "2": []}  # share of the spread along the move
@@ -339,6 +341,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "reaches the decay, where replicas on their own schedules stand furthest apart)",
     )
     p.add_argument("--warmup-steps", type=int, default=20, help="with --total-steps")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="microbatches in flight per head replica (1: synchronous; the live benchmark "
+        "runs 8, so a gradient lands a step or two after its forward, SimulatedSwarm)",
+    )
     p.add_argument("--name", default="", help="results file stem (default sync_unequal_sim)")
     p.add_argument("--quick", action="store_true", help="seconds: the test's smoke run")
     p.add_argument("--out", type=Path, default=RESULTS)
