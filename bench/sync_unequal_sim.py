@@ -33,8 +33,9 @@ whether the unequal stage spreads by some replicas getting ahead on the common p
 across it.
 
 Writes ``bench/results/sync_unequal_sim.json`` and ``.png``.
-Usage: ``python -m bench.sync_unequal_sim [--rounds 30] [--seeds 0,1,2]``; ``--quick`` for
-the seconds-long smoke run the tests use.
+Usage: ``python -m bench.sync_unequal_sim [--rounds 30] [--seeds 0,1,2] [--in-flight 8]``
+(``--in-flight``: the live pipeline's staleness, emulated); ``--quick`` for the seconds-long
+smoke run the tests use.
 """
 
 from __future__ import annotations
@@ -345,8 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--in-flight",
         type=int,
         default=1,
-        help="microbatches in flight per head replica (1: synchronous; the live benchmark "
-        "runs 8, so a gradient lands a step or two after its forward, SimulatedSwarm)",
+        help="microbatches in flight per head replica, the pipeline's staleness as "
+        "bench.convergence_sim emulates it (1: synchronous; the live benchmark runs 8, so a "
+        "gradient lands a step or two after its forward)",
     )
     p.add_argument("--name", default="", help="results file stem (default sync_unequal_sim)")
     p.add_argument("--quick", action="store_true", help="seconds: the test's smoke run")
