@@ -104,3 +104,16 @@ def test_progress_split_by_hand() -> None:
     assert share == pytest.approx(0.5) and leads == pytest.approx([1.0, -1.0])
     alike = [torch.tensor([1.0, 0.0])] * 2
     assert sync_unequal_sim.progress_split(alike, alike) == (0.0, [0.0, 0.0])
+
+
+def test_in_flight_reaches_the_swarm_and_stales_its_gradients(tmp_path: Path) -> None:
+    """``--in-flight`` is handed to the study's swarm: with four microbatches in flight per
+    head a gradient lands after later forwards, so the same seed and routes end at other
+    weights than the synchronous run, and the setting is recorded with the results."""
+    argv = ["--quick", "--variants", "shared", "--out", str(tmp_path), "--no-plot"]
+    sync = sync_unequal_sim.main([*argv, "--name", "sync"])
+    stale = sync_unequal_sim.main([*argv, "--name", "stale", "--in-flight", "4"])
+    assert sync["settings"]["in_flight"] == 1 and stale["settings"]["in_flight"] == 4
+    (a,), (b,) = sync["runs"], stale["runs"]
+    assert a["spread_mean"]["2"] > 0 and b["spread_mean"]["2"] > 0
+    assert a["spread_mean"] != b["spread_mean"]
