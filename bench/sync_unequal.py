@@ -42,8 +42,8 @@ every replica, the fast replicas not held to the slowest one's pace, and stage 1
 at most 2x stage 2's.
 
 Writes ``bench/results/sync_unequal.json`` and ``sync_unequal.png``.
-Usage: ``python -m bench.sync_unequal [--minutes 10] [--round-s 64]``; ``--quick`` for the
-few-minute version the tests run.
+Usage: ``python -m bench.sync_unequal [--minutes 10] [--round-s 64] [--schedules clock,clock]``
+(a variant named twice runs twice); ``--quick`` for the few-minute version the tests run.
 """
 
 from __future__ import annotations
@@ -365,14 +365,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = json.loads((args.out / f"{name}.json").read_text())
         plot(result, args.out / f"{name}.png")
         return result
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="sync-unequal-") as tmp:
-        for schedule in args.schedules.split(","):
-            log_dir = Path(tmp) / schedule
-            log_dir.mkdir()
-            runs.append(run(schedule, args, log_dir))
+    runs: list[dict[str, Any]] = []
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs}
     result["settings"]["out"] = str(args.out)
+    with tempfile.TemporaryDirectory(prefix="sync-unequal-") as tmp:
+        # a variant may be named more than once (repeated runs of it, side by side), and
+        # each finished run is written at once, so a later failure loses only its own
+        for i, schedule in enumerate(args.schedules.split(",")):
+            log_dir = Path(tmp) / f"{i}-{schedule}"
+            log_dir.mkdir()
+            runs.append(run(schedule, args, log_dir))
+            save(result, args.out, name, None)
     save(result, args.out, name, None if args.no_plot else plot)
     return result
 
