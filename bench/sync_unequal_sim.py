@@ -347,8 +347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="microbatches in flight per head replica, the pipeline's staleness as "
-        "bench.convergence_sim emulates it (1: synchronous; the live benchmark runs 8, so a "
-        "gradient lands a step or two after its forward)",
+        "bench.convergence_sim emulates it (1: synchronous; at 8 with 32-sample steps a "
+        "gradient lands a step or two after its forward, staler than the live benchmark's "
+        "8 in flight with 256-sample steps, at most one step)",
     )
     p.add_argument("--name", default="", help="results file stem (default sync_unequal_sim)")
     p.add_argument("--quick", action="store_true", help="seconds: the test's smoke run")

@@ -108,8 +108,8 @@ def test_progress_split_by_hand() -> None:
 
 def test_in_flight_reaches_the_swarm_and_stales_its_gradients(tmp_path: Path) -> None:
     """``--in-flight`` is handed to the study's swarm: with four microbatches in flight per
-    head a gradient lands after later forwards, so the same seed and routes end at other
-    weights than the synchronous run, and the setting is recorded with the results."""
+    head a gradient lands after later forwards, so the same seed ends at other weights than
+    the synchronous run, and the setting is recorded with the results."""
     argv = ["--quick", "--variants", "shared", "--out", str(tmp_path), "--no-plot"]
     sync = sync_unequal_sim.main([*argv, "--name", "sync"])
     stale = sync_unequal_sim.main([*argv, "--name", "stale", "--in-flight", "4"])
