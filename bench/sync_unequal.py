@@ -27,6 +27,9 @@ outer schedule (``sync.schedule``):
   A round counts as met when it all-reduced; every round leaves the stage one copy of the
   slow weights, so there is no spread to compare, and the figure is how far apart the
   replicas' places in the schedule end.
+- ``clock_equal``: the clock schedule with no replica slowed, stage 1's four as equal as
+  stage 2's. The spread ratio compares two stages at different depths of the model, so it
+  need not read 1 with equal replicas in both; this is what it reads with none unequal.
 
 For each replica: rounds paired and solo since the whole swarm was serving, inner steps and
 steps per second, and its service rate (how much slower it is); for each stage: its spread,
@@ -81,7 +84,11 @@ VARIANTS = {
         "sync.method": "diloco",
         "sync.diloco_share_schedule": "true",
     },
+    "clock_equal": {"sync.schedule": "clock"},
 }
+EQUAL_STAGE1 = frozenset({"clock_equal"})
+"""Variants whose stage 1 runs its four replicas at full speed (the names kept): the null
+for the spread ratio, which compares stages at two depths of the model."""
 """What is compared (see the module docstring): by default the H-step rule, the clock
 schedule, and the clock schedule without pseudo-gradients on one scale; the rest on
 request (``--schedules``)."""
@@ -160,8 +167,9 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
     try:
         head = swarm.start_node(0)
         wait_ready(head, 120, swarm)
+        slowdown = {n: 0 if schedule in EQUAL_STAGE1 else v for n, v in SPEEDS.items()}
         stage1 = {}
-        for name, slower in SPEEDS.items():
+        for name, slower in slowdown.items():
             extra = ["--set", f"train.slowdown={slower}"] if slower else []
             stage1[name] = swarm.start_node(1, extra=extra)
         stage2 = {name: swarm.start_node(2) for name in CONTROL}
@@ -203,7 +211,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         steps = end[name]["step"] - start[name]["step"]
         replicas[name] = {
             "stage": 1 if name in stage1 else 2,
-            "slower": SPEEDS.get(name, 0),
+            "slower": slowdown.get(name, 0),
             "rounds": rounds,
             # met a partner: paired (NoLoCo) or all-reduced (DiLoCo)
             "paired_share": (rounds.get("paired", 0) + rounds.get("allreduced", 0)) / total

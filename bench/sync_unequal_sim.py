@@ -16,10 +16,13 @@ steps (``bench/convergence_sim.py``), so that many rounds and seeds fit:
 Variants (``sync.*`` settings): ``shared`` (the default rule: pseudo-gradients pooled per
 inner step and the place in the learning-rate schedule averaged with the partner),
 ``own_lr`` (pooled, each replica on its own schedule), ``unpooled`` (the schedule shared,
-pseudo-gradients as they are), ``published`` (the published rule on the clock: neither) and
+pseudo-gradients as they are), ``published`` (the published rule on the clock: neither),
 ``decayed`` (the default with a slow replica's inner momentum decayed by the steps it fell
-short, ``sync.decay_momentum``) and ``usual_place`` (the default with each place set at an
-outer step by the stage's usual steps, not the replica's own, ``sync.place_by_usual_steps``).
+short, ``sync.decay_momentum``), ``usual_place`` (the default with each place set at an
+outer step by the stage's usual steps, not the replica's own, ``sync.place_by_usual_steps``)
+and ``equal`` (the default rule with stage 1's four replicas at full speed: the spread ratio
+compares stages at two depths of the model, so this is what it reads with no unequal
+replica at all).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
 mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
 data and same routes for every variant. With NoLoCo also, per round and stage, the *pair
@@ -57,8 +60,6 @@ from swarm.outer import rms_distance
 RESULTS = Path(__file__).parent / "results"
 SPEEDS = [1.0, 1.0, 0.5, 0.25]
 """Stage 1's replicas: relative speeds (two fast, one 2x and one 4x slower)."""
-FAST = frozenset(i for i, v in enumerate(SPEEDS) if v == max(SPEEDS))
-"""Stage 1's full-speed replicas: a round that pairs them together splits the stage."""
 VARIANTS = {
     "shared": {},
     "own_lr": {"sync.share_schedule": "false"},
@@ -66,7 +67,12 @@ VARIANTS = {
     "published": {"sync.share_schedule": "false", "sync.scale_by_steps": "false"},
     "decayed": {"sync.decay_momentum": "true"},
     "usual_place": {"sync.place_by_usual_steps": "true"},
+    "equal": {},
 }
+EQUAL_STAGE1 = frozenset({"equal"})
+"""Variants whose stage 1 runs four full-speed replicas, the default rule: the null for the
+spread ratio, which compares two stages at different depths of the model and so need not
+read 1 even when both stages' replicas are equal."""
 SETTINGS = {
     "swarm.num_block_stages": "2",
     "sync.method": "noloco",
@@ -94,8 +100,12 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.method == "diloco":  # the variant's choice of schedule, by DiLoCo's own switch
         extra["sync.diloco_share_schedule"] = VARIANTS[variant].get("sync.share_schedule", "true")
     config = resolve_config(overrides={**SETTINGS, **VARIANTS[variant], **extra})
+    # the null routes stage 1 as stage 2 is routed (a permutation a step), so that the
+    # stages differ only in depth; with all four equally fast, no round splits the stage
+    speeds = {} if variant in EQUAL_STAGE1 else {1: SPEEDS}
+    fast = frozenset(i for i, v in enumerate(SPEEDS) if v == max(SPEEDS)) if speeds else None
     swarm = SimulatedSwarm(
-        config, 4, seed, speeds={1: SPEEDS}, clock_every=args.round, in_flight=args.in_flight
+        config, 4, seed, speeds=speeds, clock_every=args.round, in_flight=args.in_flight
     )
     spreads: dict[str, list[float]] = {"1": [], "2": []}
     gaps: dict[str, list[float]] = {"1": [], "2": []}
@@ -120,7 +130,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             if args.method == "noloco" and pairs and len(pairs) == 2:
                 gaps[stage].append(pair_gap(moves, pairs))
                 if stage == "1":
-                    split.append(FAST in {frozenset(p) for p in pairs})
+                    split.append(fast in {frozenset(p) for p in pairs})
     eval_loss = swarm.evaluate()
     mean = {stage: statistics.mean(values) for stage, values in spreads.items()}
     steps = {stage: [r.step for r in swarm.runners[stage]] for stage in (1, 2)}
@@ -255,7 +265,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             mean = [
                 statistics.mean(v) for v in zip(*(r["spread"][stage] for r in mine), strict=True)
             ]
-            label = f"{variant}, stage {stage}" + (" (unequal)" if stage == "1" else " (equal)")
+            unequal = stage == "1" and variant not in EQUAL_STAGE1
+            label = f"{variant}, stage {stage}" + (" (unequal)" if unequal else " (equal)")
             axes[0].semilogy(
                 rounds, [max(m, 1e-7) for m in mean], style, color=f"C{i}", label=label
             )

@@ -22,6 +22,11 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
     assert out.with_suffix(".png").exists()
     runs = {r["variant"]: r for r in result["runs"]}
     assert set(runs) == set(sync_unequal_sim.VARIANTS)
+    # the null: stage 1's four replicas routed as the equal stage's, a permutation a step
+    null = runs.pop("equal")
+    assert null["inner_steps"]["1"] == null["inner_steps"]["2"]
+    assert max(null["inner_steps"]["1"]) - min(null["inner_steps"]["1"]) <= 1
+    assert not any(null["stage1_split"])  # no fast two to pair together
     # the same seed routes the same microbatches to the same replicas in every variant
     assert len({tuple(r["inner_steps"]["1"]) for r in runs.values()}) == 1
     fast_a, fast_b, slow2, slow4 = runs["shared"]["inner_steps"]["1"]
@@ -40,14 +45,14 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
     assert max(equal_spreads) < 1.05 * min(equal_spreads)
     # every round's two pairs moved apart by some fraction of their move, and stage 1's
     # rounds are counted as split (fast with fast) or mixed
-    for r in runs.values():
+    for r in [*runs.values(), null]:
         assert len(r["pair_gap"]["1"]) == len(r["pair_gap"]["2"]) == len(r["stage1_split"]) == 3
         assert all(0 < g < 1 for s in ("1", "2") for g in r["pair_gap"][s]), r["pair_gap"]
     assert set(result["summary"]["shared"]["pair_gap_mean"]) == {"1", "2"}
     assert len(result["summary"]["shared"]["pair_gap_by_round"]["ratio"]) == 3
     # each round: what share of each stage's spread lies along its mean move, and stage 1's
     # leads along it (about the mean, so they sum to zero)
-    for r in runs.values():
+    for r in [*runs.values(), null]:
         assert all(0 <= x <= 1 for s in ("1", "2") for x in r["along_share"][s])
         assert [sum(lead) for lead in r["stage1_lead"]] == pytest.approx([0.0] * 3, abs=1e-4)
     assert len(result["summary"]["shared"]["stage1_lead_by_round"]) == 3
