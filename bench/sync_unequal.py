@@ -125,6 +125,12 @@ def settings(args: argparse.Namespace, variant: str) -> dict[str, str]:
     return out
 
 
+def slowdowns(schedule: str) -> dict[str, int]:
+    """Stage 1's replicas under ``schedule``: name -> how many times slower (0: full speed);
+    none slowed in the null variants."""
+    return {n: 0 if schedule in EQUAL_STAGE1 else v for n, v in SPEEDS.items()}
+
+
 def slow_weights(address: str, stage: int) -> torch.Tensor:
     return fetch_stage_state(address, stage).tensors["outer.phi"].clone()
 
@@ -167,7 +173,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
     try:
         head = swarm.start_node(0)
         wait_ready(head, 120, swarm)
-        slowdown = {n: 0 if schedule in EQUAL_STAGE1 else v for n, v in SPEEDS.items()}
+        slowdown = slowdowns(schedule)
         stage1 = {}
         for name, slower in slowdown.items():
             extra = ["--set", f"train.slowdown={slower}"] if slower else []
@@ -331,14 +337,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 (k + 1) * result["settings"]["sample_s"] for k in range(len(samples))
             ]
             minutes = [t / 60 for t in at_s]
-            label = f"{run_['schedule']}, stage {stage}" + (" (unequal)" if stage == "1" else "")
+            unequal = stage == "1" and run_["schedule"] not in EQUAL_STAGE1
+            label = f"{run_['schedule']}, stage {stage}" + (" (unequal)" if unequal else "")
             axes[2].semilogy(
                 minutes, [max(s, 1e-6) for s in samples], style, color=f"C{i}", label=label
             )
     axes[2].set_title("spread: RMS of slow weights from the stage mean")
     axes[2].set_xlabel("minutes")
     axes[2].legend(fontsize=7)
-    fig.suptitle("Stage 1: two fast, one 2x and one 4x slower; stage 2: four equal")
+    fig.suptitle(
+        "Stage 1: two fast, one 2x and one 4x slower (clock_equal: none slowed); stage 2: four equal"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

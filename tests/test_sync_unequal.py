@@ -72,3 +72,16 @@ def test_ratio_interval_by_hand() -> None:
     assert ratio_interval([1.0, 3.0], [1.0, 1.0], random.Random(1)) == (1.0, 3.0)
     low, high = ratio_interval([1.0], [0.0], random.Random(1))
     assert math.isnan(low) and math.isnan(high)
+
+
+def test_the_null_variant_slows_no_replica_and_the_others_keep_theirs() -> None:
+    """``clock_equal`` is the null for the spread ratio (stage 1 as equal as stage 2): none
+    of its replicas is slowed, and it runs the clock schedule's settings; every other
+    variant slows stage 1 as ``SPEEDS`` says."""
+    from bench.sync_unequal import EQUAL_STAGE1, VARIANTS, parse_args, settings, slowdowns
+
+    assert slowdowns("clock_equal") == dict.fromkeys(SPEEDS, 0)
+    for variant in set(VARIANTS) - EQUAL_STAGE1:
+        assert slowdowns(variant) == SPEEDS
+    args = parse_args([])
+    assert settings(args, "clock_equal") == settings(args, "clock")
