@@ -284,10 +284,22 @@ def test_stage_auto_fills_empty_stages_and_data_flag_is_used(swarm: Any, tmp_pat
     head_args = ["--data", str(corpus), "--set", "data.num_shards=2"]
     head = s.start_node(0, extra=[*head_args, "--state-dir", str(tmp_path / "h1")])
     wait_ready(head, 90, s)
-    stages = []
+    stages: list[int] = []
     for _ in range(3):
-        address = s.start_node("auto")
+        # the default 2 s of listening, not the fast swarm's 1 s: a joiner chooses from what
+        # it has heard by then, and under a loaded machine 1 s missed the last joiner once
+        address = s.start_node("auto", extra=["--set", "node.join_wait_s=2.0"])
         stages.append(wait_ready(address, 90, s)["stage"])
+        # the next joiner learns the swarm through the head: let the head hear of this one
+        # first (joiners a moment apart may share a stage; rebalancing moves one later,
+        # tests/test_balance_processes.py)
+        wait_for(
+            lambda: all(
+                fetch_status(head)["stages"].get(str(k), {}).get("ready", 0) >= 1 for k in stages
+            ),
+            30,
+            "the head to hear of the joiner",
+        )
     assert sorted(stages) == [1, 2, 3]  # each joiner took an empty stage
     second_head = s.start_node(0, extra=[*head_args, "--state-dir", str(tmp_path / "h2")])
     shards = [fetch_status(head)["data_shard"], wait_ready(second_head, 90, s)["data_shard"]]
