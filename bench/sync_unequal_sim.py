@@ -252,7 +252,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "along_share_by_round" in result["summary"][v] for v in variants
     )
     fig, axes = plt.subplots(1, 3 if along else 2, figsize=(19 if along else 13, 4.2))
-    fig.suptitle(f"{method} on the clock, one process: stage 1 two fast, one 2x and one 4x slower")
+    null = ", equal: none slowed" if EQUAL_STAGE1 & set(variants) else ""
+    fig.suptitle(
+        f"{method} on the clock, one process: stage 1 two fast, one 2x and one 4x slower{null}"
+    )
     if method == "DiLoCo":  # one slow-weight copy per stage after every round: no spread
         _plot_places_and_loss(result, variants, axes)
         fig.tight_layout()
