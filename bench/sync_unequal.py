@@ -86,12 +86,12 @@ VARIANTS = {
     },
     "clock_equal": {"sync.schedule": "clock"},
 }
-EQUAL_STAGE1 = frozenset({"clock_equal"})
-"""Variants whose stage 1 runs its four replicas at full speed (the names kept): the null
-for the spread ratio, which compares stages at two depths of the model."""
 """What is compared (see the module docstring): by default the H-step rule, the clock
 schedule, and the clock schedule without pseudo-gradients on one scale; the rest on
 request (``--schedules``)."""
+EQUAL_STAGE1 = frozenset({"clock_equal"})
+"""Variants whose stage 1 runs its four replicas at full speed (the names kept): the null
+for the spread ratio, which compares stages at two depths of the model."""
 SPEEDS = {"fast-a": 0, "fast-b": 0, "slow2": 2, "slow4": 4}
 """Stage-1 replicas: name -> how many times slower (0: full speed)."""
 CONTROL = ("equal-a", "equal-b", "equal-c", "equal-d")
