@@ -25,7 +25,14 @@ could be:
 - the corpus (``site_noloco`` against ``site_dp``: the embedded corpus holds about 1.9M
   training tokens, so 5M tokens pass over it 2.7 times and 15M eight times; these two train
   on the docstrings of the installed packages, ``bench/site_corpus.py``, about 34M tokens,
-  so 5M tokens see each head's shard 0.15 times).
+  so 5M tokens see each head's shard 0.15 times);
+- DiLoCo on the larger corpus, on a GPU (``gpu_site_diloco_5m`` and its seed 1
+  ``gpu_site_diloco_5m_s1``, against data parallel on the same GPU, ``gpu_site_dp_5m`` and
+  ``gpu_site_dp_5m_s1``, beside NoLoCo there, ``gpu_site_noloco_5m`` and
+  ``gpu_site_noloco_5m_s1``): the same runs with ``node.device=cuda``, about five minutes
+  each with three at once on one H100 against about 26 on two cores. A GPU rounds
+  differently, so its runs are measured against data parallel on the GPU; set beside the
+  CPU runs of the same seed they tell how far the two devices' figures agree.
 
 ``--run NAMES`` runs variants (each about 16 minutes with two at once on two cores; the
 15M-token ones about 45) and keeps each one's ``convergence.json`` as
@@ -67,6 +74,9 @@ class Variant:
     seed: int = 0
     """The seed of the run (data order and initial weights); its reference is the study's
     data parallel run of the same seed."""
+    device: str = "cpu"
+    """The torch device of every replica (``node.device``); a run on a GPU is measured only
+    against data parallel on the same kind of device, since the two round differently."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -155,6 +165,26 @@ def _longer(name: str, tokens: int, reference: str) -> Variant:
 
 VARIANTS["site_dp_15m"] = _longer("site_dp", 15_000_000, "site_dp_15m")
 VARIANTS["site_pair_average_h5_15m"] = _longer("site_pair_average_h5", 15_000_000, "site_dp_15m")
+
+
+def _on_gpu(name: str, tokens: int) -> Variant:
+    """Variant ``name`` on one CUDA GPU with a budget of ``tokens`` (the schedule stretched
+    to match), measured against data parallel on the GPU with the same budget."""
+    v = VARIANTS[name]
+    label = f"{v.label}, trained on {tokens / 1e6:g}M on a GPU"
+    reference = f"gpu_site_dp_{tokens // 1_000_000}m"
+    return replace(v, label=label, tokens=tokens, reference=reference, device="cuda")
+
+
+VARIANTS["site_diloco"] = Variant(
+    "DiLoCo, H = 50, a corpus of 34M tokens", "diloco", SITE, reference="site_dp", site_corpus=True
+)
+for _name in ("site_dp", "site_noloco", "site_diloco"):
+    _v = _on_gpu(_name, 5_000_000)
+    VARIANTS[f"gpu_{_name}_5m"] = _v
+    VARIANTS[f"gpu_{_name}_5m_s1"] = replace(
+        _v, label=f"{_v.label} (seed 1)", seed=1, reference="gpu_site_dp_5m_s1"
+    )
 STUDY_CURVES = {  # the study's seed-0 runs shown beside the variants
     "noloco": "NoLoCo, H = 50 (the study)",
     "diloco": "DiLoCo, H = 50 (the study)",
@@ -178,6 +208,8 @@ def run(name: str, threads: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--tokens", str(v.tokens), "--seeds", str(v.seed), "--replicas", "4"]
         argv += ["--methods", v.method, "--threads", str(threads), "--out", tmp, *v.args]
+        if v.device != "cpu":
+            argv += ["--set", f"node.device={v.device}"]
         log(f"{name}: bench.convergence {' '.join(argv)}")
         convergence.main(argv)
         RUNS.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import site_corpus
+from bench import convergence, convergence_gap, site_corpus
 from bench.convergence_gap import STUDY, VARIANTS, assemble, gaps
 from node.data.documents import load_documents
 
@@ -47,6 +47,29 @@ def test_the_committed_runs_assemble_against_their_own_reference() -> None:
     assert seed2["final_gap_to_dp"] == pytest.approx(
         seed2["final_eval_loss"] / dp2["final_eval_loss"] - 1, abs=1e-4
     )
+
+
+def test_a_gpu_variant_runs_every_replica_on_cuda_and_is_measured_on_the_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[str]] = []
+
+    def fake_study(argv: list[str]) -> None:  # records the run instead of training
+        seen.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        (out / "convergence.json").write_text("{}")
+
+    monkeypatch.setattr(convergence, "main", fake_study)
+    monkeypatch.setattr(convergence_gap, "RUNS", tmp_path)
+    monkeypatch.setattr(convergence_gap, "SITE_CORPUS", tmp_path)  # exists: nothing built
+    convergence_gap.run("gpu_site_noloco_5m_s1", threads=2)
+    convergence_gap.run("site_noloco", threads=2)
+    gpu, cpu = seen
+    assert "node.device=cuda" in gpu and not any("node.device" in a for a in cpu)
+    assert gpu[gpu.index("--seeds") + 1] == "1" and gpu[gpu.index("--methods") + 1] == "noloco"
+    assert VARIANTS["gpu_site_noloco_5m_s1"].reference == "gpu_site_dp_5m_s1"
+    assert VARIANTS["gpu_site_dp_5m"].device == "cuda" and VARIANTS["site_dp"].device == "cpu"
+    assert (tmp_path / "gpu_site_noloco_5m_s1.json").exists()
 
 
 def test_the_site_corpus_holds_each_long_docstring_once(tmp_path: Path) -> None:
