@@ -384,12 +384,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for variant in args.variants.split(",")
     ]
     settings = {k: v for k, v in vars(args).items() if k != "out"}
+    summary = summarise(runs)
     result = {
         "settings": {**SETTINGS, **settings, "sync.method": args.method, "speeds": SPEEDS},
         "runs": runs,
+        "summary": summary,
     }
-    result["summary"] = summarise(runs)
-    for variant, s in result["summary"].items():
+    for variant, s in summary.items():
         log(
             f"{variant}: spread ratio {s['spread_ratio_mean']} {s['spread_ratio']}, "
             f"eval loss {s['eval_loss_mean']:.4f}"
