@@ -169,8 +169,9 @@ VARIANTS["site_noloco_15m"] = _longer("site_noloco", 15_000_000, "site_dp_15m")
 
 
 def _on_gpu(name: str, tokens: int) -> Variant:
-    """Variant ``name`` on one CUDA GPU with a budget of ``tokens`` (the schedule stretched
-    to match), measured against data parallel on the GPU with the same budget."""
+    """Variant ``name`` (one on the larger corpus) on one CUDA GPU with a budget of
+    ``tokens`` (the schedule stretched to match), measured against data parallel on the
+    larger corpus on the GPU with the same budget."""
     v = VARIANTS[name]
     label = f"{v.label}, trained on {tokens / 1e6:g}M on a GPU"
     reference = f"gpu_site_dp_{tokens // 1_000_000}m"

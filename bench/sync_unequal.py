@@ -345,10 +345,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[2].set_title("spread: RMS of slow weights from the stage mean")
     axes[2].set_xlabel("minutes")
     axes[2].legend(fontsize=7)
-    in_flight = result["settings"].get("max_in_flight", 8)
     fig.suptitle(
         "Stage 1: two fast, one 2x and one 4x slower (clock_equal: none slowed); stage 2: four"
-        f" equal; {in_flight} microbatches in flight a head"
+        f" equal; {result['settings']['max_in_flight']} microbatches in flight a head"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
