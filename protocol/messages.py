@@ -191,6 +191,9 @@ class Hello(Message):
     sender: PeerRecord
     peers: list[PeerRecord]
     want_table: bool = True
+    stages: list[StageSummary] = field(default_factory=list)
+    """The greeter's count of its own stage (a receiver outside its neighbourhood holds no
+    records of it, and while no other node holds both, nobody else summarises it)."""
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,9 @@ Protocol"), ``docs/algorithms.md`` section 11:
   the receiver does not hold (a welcome all of them), and each node keeps the freshest of
   each; every ``FAR_EVERY_S`` or so it greets a random far stage's contact for its welcome's
   summaries (long links: otherwise a summary crosses the ring one neighbourhood a hop). A
+  ``Hello`` carries the greeter's count of its own stage, which a receiver that does not
+  hold it keeps (nothing else from it): a stage with no neighbour's replica yet is held by
+  nobody else, and its replicas' greetings are how their bootstrap sees it. A
   newcomer whose bootstrap holds another neighbourhood greets a member of its own
   (a summary's contact, or a greeter its bootstrap kept in its lobby; failing both, the
   contact of the nearest stage it knows, nearer each time), who spreads the join; a node
@@ -568,6 +571,30 @@ class MembershipService:
         known = (self._summary(s, now) for s in wanted)
         return [summary for summary in known if summary is not None]
 
+    def _own_stage(self) -> list[StageSummary]:
+        """What a greeting carries of our stage: our count of its replicas (we among them),
+        with ourselves as its contact when we can be dialled. A stage none of whose
+        neighbours has a replica is held by nobody outside it; its replicas, holding nobody,
+        greet their bootstrap every round, and this is how it hears of them (and of the
+        moment they serve)."""
+        own = self.self_record()
+        if self.table.scope is None or own.stage < 0 or own.leaving:
+            return []
+        summary = self._summary(own.stage, self.clock.now(), pick=False, own=own)
+        if summary is None:
+            return []
+        dialable = own.ready and not own.relays and own.address
+        return [replace(summary, contact=own.address if dialable else "")]
+
+    def _take_greeters_stage(self, sender: PeerRecord, summaries: list[StageSummary]) -> None:
+        """Keep a greeter's summary of its own stage when we do not hold that stage; what it
+        says of other stages is not taken, and it may name only itself as the stage's
+        contact (a greeting is not a member's relay: a stranger must not steer joiners)."""
+        for summary in summaries:
+            if summary.stage == sender.stage and not self.table.covers(summary.stage):
+                contact = summary.contact if summary.contact == sender.address else ""
+                self._take_summaries([replace(summary, contact=contact)])
+
     def _take_summaries(self, summaries: list[StageSummary]) -> None:
         """Keep the freshest summary of each stage of the swarm (stages past the pipeline's
         last are not kept: a hostile peer cannot grow the map)."""
@@ -983,6 +1010,7 @@ class MembershipService:
             sender=self.current(),
             peers=peers,
             want_table=want_table,
+            stages=self._own_stage(),
         )
         reply = await self.transport.request(address, hello, self.config.request_timeout_s)
         return expect(reply, Welcome)
@@ -1075,6 +1103,7 @@ class MembershipService:
         deaths = self._obituaries(hello.sender.peer_id)
         self._greeted(hello.sender, hello.peers, hello.sender.address)
         stage = hello.sender.stage
+        self._take_greeters_stage(hello.sender, hello.stages)
         peers = [r for r in self.table.records() if self.table.covers(r.stage, stage)]
         peers += self._lobby_for(hello.sender)
         return Welcome(

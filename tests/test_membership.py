@@ -684,15 +684,14 @@ async def test_far_greetings_spread_every_stage_summary_through_a_long_ring(
     # greeting a far stage's contact every ~30 s mixes the summaries across it
     ages = await far_summaries(30.0, monkeypatch)
     hop_by_hop = await far_summaries(float("inf"), monkeypatch)
-    # hop by hop, a third of them are still missing (539 of 1480); with far greetings 21
-    assert 10 * ages.count(None) < hop_by_hop.count(None), (
-        ages.count(None),
-        hop_by_hop.count(None),
-    )
-    # and those known are fresher (median 29 s against 42 s)
+    # every stage is known either way: node 0, everyone's bootstrap, heard each stage from
+    # its first greeters and passed them on in its welcomes (hop by hop alone, before
+    # greetings told of their senders' stages, left 440 of 1480 missing)
+    assert ages.count(None) == 0 and hop_by_hop.count(None) == 0
+    # but hop by hop they are as old as the swarm (median 60 s); with far greetings 26 s
     known = statistics.median(a for a in ages if a is not None)
     slow = statistics.median(a for a in hop_by_hop if a is not None)
-    assert known < 0.85 * slow, (known, slow)
+    assert known < 0.6 * slow, (known, slow)
 
 
 async def test_a_far_contact_that_does_not_answer_is_not_greeted_again() -> None:
@@ -719,4 +718,50 @@ async def test_a_far_contact_that_does_not_answer_is_not_greeted_again() -> None
     # while honest contacts keep answering: its summaries of far stages stay fresh
     await sw.run_for(5.0)
     assert max(s.age_s for s in node.summaries().values()) < 60.0
+    await sw.close()
+
+
+async def test_a_stage_with_no_neighbour_is_seen_by_its_far_bootstrap_and_when_it_is_ready() -> (
+    None
+):
+    # a swarm's first replica of stage 2 of 0-3: the head holds 3, 0 and 1, the newcomer 1,
+    # 2 and 3, and nobody holds both; no member relays stage 2's summary, so the head (every
+    # joiner's bootstrap, which reads its view to choose a stage) must hear it from the
+    # greetings the newcomer sends it while it holds nobody
+    four = Neighbourhood(4)
+    sw = Swarm()
+    head = sw.add(0, stage=0, scope=four)
+    record = PeerRecord(peer_id="p2", address="10.0.0.2:7070", stage=2, ready=False)
+    newcomer = make(sw.net, 2, stage=2, scope=four)
+    newcomer.self_record = lambda: record  # type: ignore[method-assign]
+    sw.running[record.address] = asyncio.ensure_future(newcomer.run())
+    newcomer.add_bootstrap([head.self_record().address])
+    await sw.run_for(3.0)
+    assert "p2" not in head.table  # not its neighbourhood: no record, a summary
+    seen = head.view()[2]
+    assert (seen.replicas, seen.ready) == (1, 0), seen
+    record = replace(record, ready=True, throughput=5.0)  # it serves now
+    start = sw.clock.t
+    while head.view()[2].ready != 1:
+        await sw.run_for(0.1)
+        assert sw.clock.t - start < 2.0, head.view()[2]
+    assert head.view()[2].throughput == 5.0
+    assert head.summaries()[2].contact == record.address  # a joiner of stage 1 or 3 greets it
+    await sw.close()
+
+
+async def test_a_greeting_tells_of_its_senders_own_stage_only() -> None:
+    # a summary in a greeting is the greeter's word on its own stage; what it says of others
+    # (any contact, always fresh) is not taken, so a stranger cannot steer joiners with it
+    sw, nodes = await neighbourhoods(8)
+    head = nodes[0]  # holds 7, 0 and 1
+    sender = PeerRecord(peer_id="p99", address="10.0.0.99:7070", stage=4, ready=True)
+    lies = [StageSummary(s, 9, 9, 1.0, 1, 0.0, "10.9.9.9:1") for s in (3, 4, 5)]
+    head.handle_hello(
+        Hello(swarm="s", fingerprint="f", sender=sender, peers=[], stages=lies), "10.0.0.99"
+    )
+    view = head.view()
+    # its own stage: its count is taken, not the contact it names (not itself)
+    assert (view[4].replicas, view[4].contact) == (9, "")
+    assert view[3].replicas == 1 and view[5].replicas == 1  # the others: as relayed before
     await sw.close()

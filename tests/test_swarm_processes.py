@@ -269,6 +269,24 @@ def test_bad_input_is_refused_counted_and_training_goes_on(swarm: Any) -> None:
     assert all(p.poll() is None for _, p, _ in s.procs)
 
 
+def test_a_lone_far_stage_is_seen_by_the_head_that_every_joiner_asks(swarm: Any) -> None:
+    # four stages: the head's table holds 3, 0 and 1, stage 2's holds 1, 2 and 3; with nobody
+    # on 1 or 3 no node holds both, and only stage 2's greetings can tell the head of it (a
+    # head blind to it told the next --stage auto joiners that stage 2 was empty)
+    s = swarm()
+    head = s.start_node(0)
+    wait_ready(head, 90, s)
+    far = s.start_node(2)
+    wait_ready(far, 90, s)
+    seen = wait_for(
+        lambda: fetch_status(head)["stages"].get("2", {}).get("ready", 0) == 1
+        and fetch_status(head)["stages"]["2"],
+        10,
+        "the head to see stage 2 ready",
+    )
+    assert seen["held"] is False and seen["replicas"] == 1 and seen["contact"] == far
+
+
 def test_stage_auto_fills_empty_stages_and_data_flag_is_used(swarm: Any, tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     lines = [
