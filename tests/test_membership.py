@@ -747,6 +747,17 @@ async def test_a_stage_with_no_neighbour_is_seen_by_its_far_bootstrap_and_when_i
         assert sw.clock.t - start < 2.0, head.view()[2]
     assert head.view()[2].throughput == 5.0
     assert head.summaries()[2].contact == record.address  # a joiner of stage 1 or 3 greets it
+    # if it dies while nobody else holds stage 2, the head's summary of it ages but stands
+    # (a summary is not dropped for its age: in a long ring that would leave gaps); the next
+    # node on stage 1 or 3 holds stage 2, finds it empty and says so
+    sw.kill(newcomer)
+    await sw.run_for(10.0)
+    assert head.view()[2].replicas == 1 and head.view()[2].age_s > 9.0
+    sw.add(1, stage=1, scope=four).add_bootstrap([head.self_record().address])
+    start = sw.clock.t
+    while head.view()[2].replicas != 0:
+        await sw.run_for(0.5)
+        assert sw.clock.t - start < 2 * 5.0 + 5.0, head.view()[2]
     await sw.close()
 
 
