@@ -278,12 +278,12 @@ def test_a_lone_far_stage_is_seen_by_the_head_that_every_joiner_asks(swarm: Any)
     wait_ready(head, 90, s)
     far = s.start_node(2)
     wait_ready(far, 90, s)
-    seen = wait_for(
-        lambda: fetch_status(head)["stages"].get("2", {}).get("ready", 0) == 1
-        and fetch_status(head)["stages"]["2"],
-        10,
-        "the head to see stage 2 ready",
-    )
+
+    def stage_2_ready() -> dict[str, Any] | None:
+        seen: dict[str, Any] = fetch_status(head)["stages"].get("2", {})
+        return seen if seen.get("ready", 0) == 1 else None
+
+    seen = wait_for(stage_2_ready, 10, "the head to see stage 2 ready")
     assert seen["held"] is False and seen["replicas"] == 1 and seen["contact"] == far
 
 
