@@ -282,7 +282,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(15, 9.5))
+    # the legends sit under the panels, one line a curve: the figure grows with the longer
+    curves = [v["against"] for n, v in result["variants"].items() if n != v["against"]]
+    left = curves.count("study")
+    right = len(curves) - left + 1  # and the study's NoLoCo, drawn on both
+    legend_in = 0.19 * max(left, right) + 0.3
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5 + legend_in))
     for ax in axes:
         ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for name, v in result["variants"].items():
@@ -310,7 +315,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
-    fig.subplots_adjust(left=0.06, right=0.98, top=0.95, bottom=0.3, wspace=0.25)
+    height = 6.5 + legend_in
+    fig.subplots_adjust(
+        left=0.06, right=0.98, top=1 - 0.4 / height, bottom=(legend_in + 0.6) / height, wspace=0.25
+    )
     fig.savefig(path, dpi=110)
 
 
