@@ -580,6 +580,10 @@ class MembershipService:
         own = self.self_record()
         if self.table.scope is None or own.stage < 0 or own.leaving:
             return []
+        far = self._far.get(own.stage)  # others, said a summary, and we hold none of them:
+        met = any(r.stage == own.stage for r in self.table.records())
+        if far is not None and far[0].replicas > 1 and not met:  # our count would be short
+            return []
         summary = self._summary(own.stage, self.clock.now(), pick=False, own=own)
         if summary is None:
             return []

@@ -612,6 +612,8 @@ async def test_a_mover_meets_its_new_neighbourhood_before_it_serves() -> None:
     record = replace(mover.self_record(), stage=0)
     mover.self_record = lambda: record  # type: ignore[method-assign]
     start = sw.clock.t
+    mover.own()  # centred on stage 0 now (arrive does it too), its replicas not met yet:
+    assert mover._own_stage() == []  # a greeting's count would say "1 replica", and fresh
     arrived = asyncio.ensure_future(mover.arrive(10.0))
     while not arrived.done():
         await sw.run_for(0.1)
@@ -619,6 +621,7 @@ async def test_a_mover_meets_its_new_neighbourhood_before_it_serves() -> None:
     assert sw.clock.t - start < 2.0
     assert {r.stage for r in mover.table.records()} == {7, 0, 1}
     assert mover.unmet() == []
+    assert [(s.stage, s.replicas) for s in mover._own_stage()] == [(0, 4)]  # met: 3 and itself
     await sw.close()
 
 
