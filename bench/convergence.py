@@ -162,8 +162,8 @@ def run_live(
     try:
         heads = [swarm.start_node(0, extra=["--set", f"data.shard={i}"]) for i in range(2)]
         blocks = [swarm.start_node(stage) for stage in (1, 1, 2, 2)]
-        for a in heads + blocks:
-            wait_ready(a, 120, swarm)
+        for address in heads + blocks:
+            wait_ready(address, 120, swarm)
         for milestone in milestones:
             while (done := sum(fetch_status(h)["tokens"] for h in heads)) < milestone:
                 if swarm.dead():
@@ -332,11 +332,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     name = "convergence-quick" if args.quick else "convergence"
+    result: dict[str, Any]
     if args.replot:
         result = json.loads((args.out / f"{name}.json").read_text())
         plot(result, args.out / f"{name}.png")
         return result
-    result: dict[str, Any] = {
+    result = {
         "replicas_per_stage": args.replicas,
         "tokens": args.tokens,
         "seeds": args.seeds,

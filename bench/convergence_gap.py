@@ -289,7 +289,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     legend_in = 0.19 * max(left, right) + 0.3
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.5 + legend_in))
     for ax in axes:
-        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+        ax.set_prop_cycle(color=[plt.get_cmap("tab20")(i) for i in range(20)])
     for name, v in result["variants"].items():
         ax = axes[1] if v["against"] != "study" else axes[0]
         if name == v["against"]:  # a reference against itself

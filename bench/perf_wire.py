@@ -124,7 +124,7 @@ def measure_throughput(
     numel = payload_bytes // 4
     x = torch.randn(numel // (128 * 1024), 128, 1024) if numel >= 1 << 17 else torch.randn(numel)
     msg = forward(x, "fp32")
-    payload = memoryview(x.numpy()).cast("B")
+    payload = memoryview(x.numpy().data).cast("B")
 
     async def run(peer: Peer) -> dict[str, Any]:
         transport = HttpTransport(Limits())

@@ -233,7 +233,7 @@ def summarize(names: list[str], out: Path, targets: list[float]) -> None:
             methods[k] = {
                 "time_to_target_s": times,
                 "speedup_vs_checkpoint": {
-                    t: round(base[t] / v, 2) if base[t] and v else None for t, v in times.items()
+                    t: round(b / v, 2) if (b := base[t]) and v else None for t, v in times.items()
                 },
                 "final_eval_loss": m["final_eval_loss"],
                 "final_step": m["steps"][-1] if m["steps"] else 0,
@@ -338,6 +338,7 @@ def main() -> None:
     if args.summary:
         summarize(args.summary, args.out, [float(t) for t in args.targets.split(",")])
         return
+    result: dict[str, Any]
     if args.replot:  # redraw, with the time to reach --target recomputed from the stored curves
         result = json.loads(json_path.read_text())
         result["target_loss"] = args.target
@@ -356,7 +357,7 @@ def main() -> None:
     schedule = failure_schedule(args.p, 5000, args.stages, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="murmuration-recovery-"))
     print(f"logs in {log_dir}; first failures (step, stage): {schedule[:6]}")
-    result: dict[str, Any] = {
+    result = {
         "target_loss": args.target,
         "p_per_stage_step": args.p,
         "per_hour": round(args.p / P_PER_PERCENT_HOUR, 2),

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row = simulate(mode, period_s, args.seconds, args.load, seed)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    result = {
+    result: dict[str, Any] = {
         "config": {
             "rates": RATES,
             "samples": SAMPLES,

@@ -233,15 +233,15 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "steps_at_samples": steps_at[name],
         }
     stages = {}
-    for stage, names in ((1, list(stage1)), (2, list(stage2))):
-        means = [d for n in names if (d := replicas[n]["partner_distance_mean"])]
-        stages[str(stage)] = {
-            "spread": statistics.mean(samples[str(stage)]),
-            "spread_samples": samples[str(stage)],
+    for stage_no, members in ((1, list(stage1)), (2, list(stage2))):
+        means = [d for n in members if (d := replicas[n]["partner_distance_mean"])]
+        stages[str(stage_no)] = {
+            "spread": statistics.mean(samples[str(stage_no)]),
+            "spread_samples": samples[str(stage_no)],
             "partner_distance_mean": statistics.mean(means) if means else None,
-            "min_paired_share": min(replicas[n]["paired_share"] for n in names),
-            "schedule_place_range": max(replicas[n]["schedule_step"] for n in names)
-            - min(replicas[n]["schedule_step"] for n in names),
+            "min_paired_share": min(replicas[n]["paired_share"] for n in members),
+            "schedule_place_range": max(replicas[n]["schedule_step"] for n in members)
+            - min(replicas[n]["schedule_step"] for n in members),
         }
     fast = statistics.mean(replicas[n]["steps_per_s"] for n in ("fast-a", "fast-b"))
     result = {

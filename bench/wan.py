@@ -226,8 +226,8 @@ def run(v: Variant, tokens: int, warmup_s: float, logs: Path) -> dict[str, Any]:
         return out
     finally:
         lab.close()
-        for log in outs:
-            log.close()
+        for out_file in outs:
+            out_file.close()
 
 
 def shares(
