@@ -171,6 +171,12 @@ FIGURES = frozenset(
 Tables = Literal["neighbourhood", "swarm"]
 
 
+def _contactable(record: PeerRecord) -> bool:
+    """Whether a summary may name ``record`` as its stage's contact: ready, and dialled
+    directly (a relayed peer's address is private)."""
+    return record.ready and not record.relays and bool(record.address)
+
+
 @dataclass(frozen=True)
 class MembershipConfig:
     heartbeat_s: float = 1.0
@@ -542,7 +548,7 @@ class MembershipService:
     def _contact(self, records: list[PeerRecord], own: PeerRecord, now: float) -> str:
         """A replica of ``records`` for a newcomer to greet: dialable and ready, and one
         that spoke to us lately (or we ourselves) if any, the least likely to be dead."""
-        dialable = [r for r in records if r.ready and not r.relays and r.address]
+        dialable = [r for r in records if _contactable(r)]
         lately = [
             r.address
             for r in dialable
@@ -587,8 +593,7 @@ class MembershipService:
         summary = self._summary(own.stage, self.clock.now(), pick=False, own=own)
         if summary is None:
             return []
-        dialable = own.ready and not own.relays and own.address
-        return [replace(summary, contact=own.address if dialable else "")]
+        return [replace(summary, contact=own.address if _contactable(own) else "")]
 
     def _take_greeters_stage(self, sender: PeerRecord, summaries: list[StageSummary]) -> None:
         """Keep a greeter's summary of its own stage when we do not hold that stage; what it
