@@ -400,20 +400,12 @@ def measure_real(
     free_hosts = iter(lab.hosts if lab else [])
     pool = ThreadPoolExecutor(16)
 
-    taken: set[int] = set()
-
-    def port() -> int:  # free now, and not handed out before (nothing binds it until later)
-        while (p := free_port()) in taken:
-            pass
-        taken.add(p)
-        return p
-
     def start(i: int) -> str:
         stage = 1 + i % (REAL_STAGES - 1)
         if lab is None:
-            mport = port()
+            mport = free_port()  # never one handed out before
             extra = ["--set", f"net.metrics_port={mport}"]
-            address = swarm.start_node(stage, port=port(), extra=extra)
+            address = swarm.start_node(stage, port=free_port(), extra=extra)
             metrics[address] = f"127.0.0.1:{mport}"
         else:
             host = next(free_hosts)
