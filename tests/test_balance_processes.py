@@ -46,6 +46,28 @@ def stages(addresses: list[str]) -> Counter[int]:
     return out
 
 
+def balance_state(addresses: list[str]) -> list[dict[str, object]]:
+    """What each node's balancer sees and plans: what a timeout needs to be read."""
+    out = []
+    for a in addresses:
+        st = fetch_status(a, timeout_s=3)
+        b = st["balance"]
+        out.append(
+            {
+                "stage": st["stage"],
+                "ready": st["ready"],
+                "rate": b["own_block_rate"],
+                "moves": b["moves"],
+                "plan": b["plan"],
+                "stages": {
+                    k: (v["replicas"], v["ready"], v["throughput"], v["age_s"])
+                    for k, v in st["stages"].items()
+                },
+            }
+        )
+    return out
+
+
 def start(tmp_path: Path, settings: dict[str, str]) -> tuple[LocalSwarm, str, list[str]]:
     s = LocalSwarm(tmp_path, {**BASE, **settings})
     head = s.start_node(0)
@@ -90,7 +112,12 @@ def test_a_slowed_stage_attracts_more_nodes(tmp_path: Path) -> None:
             ok = sum(got.values()) == 6 and got[2] > max(got[1], got[3]) and min(got.values()) > 0
             return got if ok and len(got) == 3 else None
 
-        got = wait_for(crowded, 150, "stage 2 holding more replicas than stages 1 and 3")
+        got = wait_for(
+            crowded,
+            150,
+            "stage 2 holding more replicas than stages 1 and 3",
+            describe=lambda: balance_state(autos),
+        )
         moves = sum(fetch_status(a)["balance"]["moves"] for a in autos)
         print(f"replicas per block stage {dict(got)} after {moves} rebalancing move(s)")
         wait_for(lambda: fetch_status(head)["step"] >= 10, 120, "training goes on")
