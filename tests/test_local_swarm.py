@@ -52,3 +52,16 @@ def test_a_node_that_exits_at_start_up_is_reported_with_its_log(tmp_path: Path) 
         assert "got '5'" in str(e.value)  # the node's own error, from its log
     finally:
         swarm.stop(grace_s=1)
+
+
+def test_a_swarm_left_running_is_stopped_by_stop_all(tmp_path: Path) -> None:
+    # what the tests' teardown (tests/conftest.py) calls after every test: a test that
+    # failed while its swarm started had left six nodes training through the rest of a run
+    swarm = LocalSwarm(tmp_path, {"swarm.num_block_stages": "1"})
+    swarm.start_node(0)
+    assert swarm in LocalSwarm.running
+    ((name, proc, _),) = swarm.procs
+    assert proc.poll() is None
+    assert LocalSwarm.stop_all() == [name]
+    assert proc.poll() is not None and swarm not in LocalSwarm.running
+    assert LocalSwarm.stop_all() == []
