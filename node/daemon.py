@@ -157,9 +157,7 @@ class Node:
         self.recovery = RecoveryService(
             self.ctx, states=self.states, record=self.record, move_to=self.move_to
         )
-        # plans are made from our record as peers last heard it, not from our figures of
-        # the moment: every node must see the same figures for only one to name itself
-        self.balancer = Balancer(self.ctx, record=self.membership.own, move_to=self.move_to)
+        self.balancer = Balancer(self.ctx, record=self.record, move_to=self.move_to)
         self.work = WorkQueue(self.ctx, after_job=self._after_job)
         self.hops = HopSender(self.ctx)
         self.role: StageRole | None = None

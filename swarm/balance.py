@@ -18,6 +18,14 @@ in its table and only the single best move (highest new bottleneck, ties to the 
 id) may happen, so many peers never jump at the same gap together (the herd); and the caller
 adds a cool-down after each move, so a peer does not flip back and forth.
 
+A known gap in the first guard: nodes plan from rates of different ages (a peer's figures
+as of its last publication or its last direct ping, its own of the moment), so two
+replicas of one stage with close rates can each see itself as the one to move, and both
+go. Planning from its own published record instead did not prevent it. Recovery refills a
+stage so emptied within ``recovery.refill_wait_s`` and the next plans settle the swarm
+(seen in 3 of 38 logged runs of ``tests/test_balance_processes.py``'s slowed stage). A
+move that its stage-mates must see announced before it leaves would close it.
+
 A replica's rate is taken to be the same on every block stage (block stages hold equal
 numbers of identical blocks). Pure functions over plain records; the daemon's
 ``node.services.balance`` measures, publishes and moves.

@@ -34,22 +34,3 @@ async def test_a_new_block_replica_publishes_its_benchmark_while_its_module_buil
         assert node.record().throughput == 40.0
     finally:
         await node.close()
-
-
-async def test_a_node_plans_moves_with_its_rate_as_its_peers_last_heard_it() -> None:
-    # Every node names the swarm's single best move from the same figures; with its own rate
-    # of the moment and its stage-mates' as last published, two replicas whose rates had
-    # dropped since their last publication each saw itself as the cheaper one to lose, and
-    # both left their stage in the same second.
-    config = {"net.listen": "127.0.0.1:0", "net.zeroconf": False, "balance.benchmark_s": 0}
-    node = Node(resolve_config(overrides={**config, "swarm.num_block_stages": 2}))
-    node.balancer.block_rate = 40.0
-    try:
-        await node.take_stage(1)
-        assert node.membership.own().throughput == 40.0  # published
-        node.state.the_runner().seed_rate(10.0)  # measured since, not yet republished
-        assert node.record().throughput == 10.0
-        mine = [r for r in node.balancer.replicas(ready_only=False) if r.peer_id == node.peer_id]
-        assert [r.rate for r in mine] == [40.0]
-    finally:
-        await node.close()

@@ -48,15 +48,8 @@ class Balancer:
         record: Callable[[], PeerRecord],
         move_to: Callable[[int], Awaitable[None]],
     ) -> None:
-        """``record()``: this node as its peers last heard of it (its published record, not
-        its figures of the moment); ``move_to(stage)``: leave this stage for another (the
-        daemon's).
-
-        The single-move rule holds only if every node plans from the same figures. With its
-        own rate fresh and its stage-mates' as last published, each of two replicas whose
-        rate had dropped since its last publication saw itself as the slower one, the one
-        whose leaving costs least, and both left their stage within a second (seen in
-        ``tests/test_balance_processes.py``: the stage emptied and was refilled)."""
+        """``record()``: this node as peers see it; ``move_to(stage)``: leave this stage
+        for another (the daemon's)."""
         self.ctx = ctx
         self.record = record
         self.move_to = move_to
