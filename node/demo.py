@@ -11,6 +11,7 @@ line as one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -58,24 +59,19 @@ def free_port() -> int:
     and two draws of one port (about 1 in 1,100 for seven nodes) left one node unable to
     start."""
     low = _ephemeral_low()
-    for _ in range(64) if low > 12000 else ():
-        port = random.randrange(10000, low)
-        if port in _handed_out:
+    drawn = (random.randrange(10000, low) for _ in range(64 if low > 12000 else 0))
+    for want in itertools.chain(drawn, [0] * 64):  # 0: the kernel's choice, the fallback
+        if want in _handed_out:
             continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("127.0.0.1", want))
             except OSError:
                 continue
-        _handed_out.add(port)
-        return port
-    for _ in range(64):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            got: int = s.getsockname()[1]
-        if got not in _handed_out:
-            _handed_out.add(got)
-            return got
+            port: int = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
     raise OSError("no free port of 127.0.0.1 found in 128 tries")
 
 
@@ -165,7 +161,7 @@ class LocalSwarm:
 
     @classmethod
     def stop_all(cls, grace_s: float = 2.0) -> list[str]:
-        """Stop every swarm still running; returns the names of the nodes it stopped. For
+        """Stop every swarm still running; returns the names of their nodes. For
         the tests' teardown: a test that fails while its swarm starts (before its ``try``)
         would otherwise leave the nodes training, and slow every later test (one such leak
         made a full run of the suite take 60 minutes instead of 43)."""
