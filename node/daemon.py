@@ -169,6 +169,7 @@ class Node:
             guard=self.guard,
             membership=self.membership,
             recovery=self.recovery,
+            balancer=self.balancer,
             reachability=self.reachability,
             relay_hub=self.relay_hub,
             work=self.work,

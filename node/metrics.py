@@ -499,6 +499,20 @@ def _balance_families(bal: dict[str, Any]) -> Iterator[Metric]:
     yield _counter(
         "murmur_balance_moves", "Stage changes this node made to rebalance.", bal["moves"]
     )
+    yield _counter(
+        "murmur_balance_yields",
+        "Moves planned for this node that it did not make: another replica of its stage left "
+        "first.",
+        bal["yielded"],
+    )
+    answers = CounterMetricFamily(
+        "murmur_balance_answers",
+        "Stage-mates' requests to leave the stage, by this node's answer.",
+        labels=["answer"],
+    )
+    for answer, n in bal["answers"].items():
+        answers.add_metric([answer], n)
+    yield answers
     yield _gauge(
         "murmur_balance_own_block_rate",
         "This node's start-up benchmark: samples/s through one block stage.",

@@ -9,7 +9,8 @@ Owns the aiohttp application and what happens to a request before a service work
   ``Hello``, ``Ping``, ``Probe`` and ``Leave``; the stage role's jobs, queued, for
   ``Forward`` and ``Backward`` (after their route and activations are checked); the runner for ``FetchState``; the sync
   service for gossip and ring chunks; recovery for head backups and rollbacks; the
-  reachability check for dial-backs and their probes.
+  balancer for a stage-mate's request to leave the stage; the reachability check for
+  dial-backs and their probes.
 - A frame a relay brings for this node over its WebSocket (``node.net.relay``) is served the
   same way (``serve_relayed``), proof and all; only dial-backs are refused that way.
 - ``GET /relay`` and ``POST /relay/<peer id>``: this node relaying for nodes that cannot be
@@ -58,6 +59,7 @@ from node.net.transport import (
 from node.pipeline import WorkQueue
 from node.roles.base import StageRole
 from node.roles.head import HeadRole
+from node.services.balance import Balancer
 from node.services.guard import RequestGuard
 from node.services.reachability import ReachabilityService
 from node.services.recovery import RecoveryService
@@ -79,6 +81,7 @@ from protocol.messages import (
     Hello,
     Leave,
     Message,
+    MoveRequest,
     Ping,
     Probe,
     RingChunk,
@@ -109,6 +112,7 @@ class NodeServer:
         guard: RequestGuard,
         membership: MembershipService,
         recovery: RecoveryService,
+        balancer: Balancer,
         reachability: ReachabilityService,
         relay_hub: RelayHub,
         work: WorkQueue,
@@ -124,6 +128,7 @@ class NodeServer:
         self.guard = guard
         self.membership = membership
         self.recovery = recovery
+        self.balancer = balancer
         self.reachability = reachability
         self.relay_hub = relay_hub
         self.work = work
@@ -252,6 +257,8 @@ class NodeServer:
         if isinstance(msg, Rollback):
             await self.recovery.on_rollback(msg)
             return Ack()
+        if isinstance(msg, MoveRequest):
+            return self.balancer.on_request(msg)
         raise Refused("unexpected_message", f"{msg.TYPE!r} is not a request", 400)
 
     def _current_sync(self) -> StageSync:

@@ -64,6 +64,7 @@ from protocol.messages import (
     Hello,
     Leave,
     Message,
+    MoveRequest,
     Ping,
     Pong,
     Probe,
@@ -193,7 +194,9 @@ def claimed_sender(msg: Message) -> str | None:
         return msg.sender.peer_id
     if isinstance(msg, Leave):
         return msg.peer_id
-    if isinstance(msg, GossipRequest | HeadBackup | Rollback | DialBack | Ping | Probe):
+    if isinstance(
+        msg, GossipRequest | HeadBackup | Rollback | DialBack | MoveRequest | Ping | Probe
+    ):
         return msg.sender
     if isinstance(msg, Pong):
         return None if msg.sender is None else msg.sender.peer_id

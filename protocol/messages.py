@@ -472,6 +472,26 @@ class DialBackResult(Message):
     detail: str
 
 
+@dataclass(frozen=True)
+class MoveRequest(Message):
+    """Rebalancing: "may I leave stage ``stage`` for ``target``?", asked of each replica of
+    ``stage`` before the sender goes (``swarm.balance.MoveLock``); answered ``MoveAnswer``."""
+
+    TYPE: ClassVar[str] = "move_request"
+    stage: int
+    target: int
+    sender: str
+
+
+@dataclass(frozen=True)
+class MoveAnswer(Message):
+    """Whether the asker may leave the stage now, and if not, why."""
+
+    TYPE: ClassVar[str] = "move_answer"
+    granted: bool
+    reason: str = ""
+
+
 MESSAGE_TYPES: Mapping[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -495,6 +515,8 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
         DialBack,
         DialProbe,
         DialBackResult,
+        MoveRequest,
+        MoveAnswer,
     )
 }
 

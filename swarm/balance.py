@@ -18,13 +18,15 @@ in its table and only the single best move (highest new bottleneck, ties to the 
 id) may happen, so many peers never jump at the same gap together (the herd); and the caller
 adds a cool-down after each move, so a peer does not flip back and forth.
 
-A known gap in the first guard: nodes plan from rates of different ages (a peer's figures
-as of its last publication or its last direct ping, its own of the moment), so two
-replicas of one stage with close rates can each see itself as the one to move, and both
-go. Planning from its own published record instead did not prevent it. Recovery refills a
-stage so emptied within ``recovery.refill_wait_s`` and the next plans settle the swarm
-(seen in 3 of 38 logged runs of ``tests/test_balance_processes.py``'s slowed stage). A
-move that its stage-mates must see announced before it leaves would close it.
+The first guard alone is not enough: nodes plan from rates of different ages (a peer's
+figures as of its last publication or its last direct ping, its own of the moment), so two
+replicas of one stage with close rates can each see itself as the one to move, and both go
+(seen in 3 of 38 logged runs of ``tests/test_balance_processes.py``'s slowed stage, each
+emptying stage 1 until recovery refilled it). So a replica that the plan names asks each
+of its stage-mates first, and leaves only if all of them let it go (``MoveLock``): a
+mate that wants to leave too lets the lower peer id go and stays itself; one that has let
+a mate go does not leave, nor let another go, for ``hold_s``. Petals' rule has no
+such step; it costs one round trip to the stage's replicas per move.
 
 A replica's rate is taken to be the same on every block stage (block stages hold equal
 numbers of identical blocks). Pure functions over plain records; the daemon's
@@ -169,3 +171,68 @@ def _source_stage(totals: dict[int, float], counts: dict[int, int], target: int)
         if best is None or key > best:
             best = key
     return None if best is None else -best[1]
+
+
+class MoveLock:
+    """Which of one stage's replicas may leave it now: at most one at a time.
+
+    Owns this replica's side of the exchange before a rebalancing move: its own wish to
+    leave (``want``), the answer to a stage-mate that asks to leave (``answer``), and the
+    verdict once every mate has answered (``conclude``). Does not own the messages, the
+    plan or the move (``node.services.balance``).
+
+    Why it admits one: of two replicas that both want to leave, each asks the other; the
+    higher id lets the lower go and gives up its own wish, the lower refuses the higher, so
+    exactly the lower one goes. A mate that was asked before it wanted to leave has let the
+    asker go and wants nothing for ``hold_s`` (time enough for the mover's new state to
+    reach everyone, whose plans then count it gone); a mate that has let one go refuses any
+    other meanwhile. A replica that is already leaving refuses everyone.
+    """
+
+    def __init__(self, self_id: str, hold_s: float) -> None:
+        self.self_id = self_id
+        self.hold_s = hold_s
+        self.wanting = False
+        """Asking the stage's mates now."""
+        self.leaving = False
+        """Concluded that it goes: refuse everyone until the node has left (``reset``)."""
+        self.let_go: dict[str, float] = {}
+        """Mates this replica let leave, with when that lapses."""
+
+    def _holding(self, now: float) -> dict[str, float]:
+        self.let_go = {p: t for p, t in self.let_go.items() if t > now}
+        return self.let_go
+
+    def want(self, now: float) -> bool:
+        """Start asking to leave; False when a mate was let go within ``hold_s`` or a
+        request of ours is already out."""
+        if self.wanting or self.leaving or self._holding(now):
+            return False
+        self.wanting = True
+        return True
+
+    def answer(self, asker: str, now: float) -> tuple[bool, str]:
+        """Whether the stage-mate ``asker`` may leave, and why not."""
+        if self.leaving:
+            return False, "this replica is leaving the stage itself"
+        others = [p for p in self._holding(now) if p != asker]
+        if others:
+            return False, f"replica {others[0][:8]} is leaving the stage first"
+        if self.wanting and self.self_id < asker:
+            return False, "this replica wants to leave too and has the lower peer id"
+        self.wanting = False  # we yield: our own request, if out, concludes no
+        self.let_go[asker] = now + self.hold_s
+        return True, ""
+
+    def conclude(self, all_agreed: bool) -> bool:
+        """After every mate answered: True when this replica goes (it still wanted to, and
+        no mate refused)."""
+        go = self.wanting and all_agreed
+        self.wanting = False
+        self.leaving = go
+        return go
+
+    def reset(self) -> None:
+        """The node took another stage: a new stage, a new lock state."""
+        self.wanting = self.leaving = False
+        self.let_go.clear()

@@ -33,6 +33,8 @@ from protocol.messages import (
     Hello,
     Hop,
     Message,
+    MoveAnswer,
+    MoveRequest,
     Obituary,
     PeerRecord,
     Ping,
@@ -282,6 +284,7 @@ async def test_unknown_and_banned_peers_are_refused(make_node: Any) -> None:
     await refused(node, gossip, "unknown_peer", 403)
     await refused(node, HeadBackup(step=1, sender=STRANGER), "unknown_peer", 403)
     await refused(node, Rollback(stage=2, step=1, sender=STRANGER), "unknown_peer", 403)
+    await refused(node, MoveRequest(stage=1, target=2, sender=STRANGER), "unknown_peer", 403)
     # a known peer, but not a head node: its "head backup" is not kept
     await refused(node, HeadBackup(step=1, sender=OTHER), "wrong_stage", 409)
     assert node.recovery.head_backup is None
@@ -380,3 +383,21 @@ async def test_each_kind_of_refusal_is_logged_once_per_burst(
     assert node.counters["rejected_bad_shape"] == 20
     refusals = [r for r in caplog.records if "refused request" in r.getMessage()]
     assert len(refusals) == 2, [r.getMessage() for r in refusals]
+
+
+async def test_a_move_request_to_nowhere_is_refused_and_a_stage_mates_is_answered(
+    make_node: Any,
+) -> None:
+    node = await make_node()
+    for target in (0, 1, 3, -1):  # the head stage, its own stage, past the last, negative
+        await refused(node, MoveRequest(stage=1, target=target, sender=OTHER), "bad_move", 400)
+    assert node.balancer.answers == {"granted": 0, "refused": 0}
+    status, reply = await post(node, MoveRequest(stage=1, target=2, sender=OTHER))
+    assert status == 200 and reply == MoveAnswer(granted=True, reason="")
+    # the stage-mate let go is leaving: another may not leave meanwhile, nor may we
+    status, reply = await post(node, MoveRequest(stage=1, target=2, sender=HEAD))
+    assert isinstance(reply, MoveAnswer) and not reply.granted, reply
+    assert "leaving the stage first" in reply.reason
+    assert node.balancer.answers == {"granted": 1, "refused": 1}
+    assert not node.balancer.lock.want(node.clock.now())
+    assert node.state.serving

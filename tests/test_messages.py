@@ -23,6 +23,8 @@ from protocol.messages import (
     Hello,
     Hop,
     Leave,
+    MoveAnswer,
+    MoveRequest,
     Obituary,
     PeerRecord,
     Ping,
@@ -88,6 +90,8 @@ def test_every_message_type_round_trips() -> None:
         DialBack(address="10.0.0.7:7070", nonce="n1", sender="p" * 32),
         DialProbe(nonce="n1"),
         DialBackResult(reached=False, observed_host="10.0.0.9", detail="refused"),
+        MoveRequest(stage=1, target=3, sender="p" * 32),
+        MoveAnswer(granted=False, reason="a mate leaves first"),
     ]
     assert {type(m) for m in msgs} == set(MESSAGE_TYPES.values())
     for msg in msgs:

@@ -11,8 +11,8 @@ applies them to the node's state and turns them into ``Refused`` with a stable c
 code                        status  when
 ==========================  ======  =======================================================
 ``banned``                  403     the claimed sender is quarantined (poisoned weights)
-``unknown_peer``            403     a microbatch, gossip, head backup, rollback or dial-back
-                                    sender not in our peer table
+``unknown_peer``            403     a microbatch, gossip, head backup, rollback, dial-back
+                                    or move request sender not in our peer table
 ``rate_limited``            429     the sender's token bucket is empty
 ``bad_microbatch_id``       400     an empty or overlong microbatch id
 ``bad_path``                400     a path longer than the pipeline
@@ -43,6 +43,7 @@ from protocol.messages import (
     GossipRequest,
     HeadBackup,
     Message,
+    MoveRequest,
     Rollback,
 )
 from swarm.admission import RecentIds, TokenBuckets
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 MAX_MB_ID_CHARS = 128
 """Longest microbatch id accepted (ours are ``<peer>.<seq>.<issue>``, about 20 characters)."""
 
-_NEEDS_KNOWN = (Forward, Backward, GossipRequest, HeadBackup, Rollback, DialBack)
+_NEEDS_KNOWN = (Forward, Backward, GossipRequest, HeadBackup, Rollback, DialBack, MoveRequest)
 """Requests only a peer in our table may send (a stranger says ``Hello`` first)."""
 
 
