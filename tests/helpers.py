@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from node.config import resolve_config
+from node.daemon import Node
 from node.demo import LocalSwarm
 from node.net.transport import RPC_PATH
 
@@ -35,6 +37,21 @@ IN_PROCESS_REPLICA = {
 """A ``node.daemon.Node`` run inside a test's event loop as a replica of block stage 1 (of
 2), on a free loopback port, without zeroconf or a speed benchmark; peers are introduced
 by the test (``table.observe``)."""
+
+
+async def stage_mates(settings: list[dict[str, Any]]) -> list[Node]:
+    """Started ``node.daemon.Node``s serving block stage 1, one per entry of ``settings``
+    (each added to ``IN_PROCESS_REPLICA``), each in the others' tables. The caller closes
+    them."""
+    nodes = [Node(resolve_config(overrides={**IN_PROCESS_REPLICA, **extra})) for extra in settings]
+    for node in nodes:
+        await node.start_server()
+        await node.take_stage(1)
+    for me in nodes:
+        for other in nodes:
+            if other is not me:
+                me.table.observe(other.record(), me.clock.now())
+    return nodes
 
 
 async def outer_round(node: Any) -> None:

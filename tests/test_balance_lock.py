@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from node.config import resolve_config
 from node.daemon import Node
 from swarm.balance import Move, MoveLock
-from tests.helpers import IN_PROCESS_REPLICA
+from tests.helpers import stage_mates
 
 A, B, C = "aaaa", "bbbb", "cccc"
 
@@ -93,18 +92,10 @@ def test_in_every_order_of_messages_at_most_one_replica_goes() -> None:
 
 
 @pytest.fixture
-async def stage_mates() -> AsyncIterator[list[Node]]:
+async def mates() -> AsyncIterator[list[Node]]:
     nodes: list[Node] = []
     try:
-        for _ in range(3):
-            node = Node(resolve_config(overrides={**IN_PROCESS_REPLICA, "balance.cooldown_s": 60}))
-            nodes.append(node)
-            await node.start_server()
-            await node.take_stage(1)
-        for me in nodes:
-            for other in nodes:
-                if other is not me:
-                    me.table.observe(other.record(), me.clock.now())
+        nodes += await stage_mates([{"balance.cooldown_s": 60}] * 3)
         yield sorted(nodes, key=lambda n: n.peer_id)
     finally:
         for node in nodes:
@@ -113,9 +104,9 @@ async def stage_mates() -> AsyncIterator[list[Node]]:
 
 @pytest.mark.timeout(60)
 async def test_two_real_replicas_named_at_once_ask_and_only_the_lower_id_leaves(
-    stage_mates: list[Node],
+    mates: list[Node],
 ) -> None:
-    low, high, third = stage_mates[0], stage_mates[2], stage_mates[1]
+    low, high, third = mates[0], mates[2], mates[1]
 
     def plan(node: Node) -> Move:
         return Move(node.peer_id, source=1, target=2, current_min=10.0, new_min=20.0)
@@ -129,5 +120,5 @@ async def test_two_real_replicas_named_at_once_ask_and_only_the_lower_id_leaves(
     # while the lower one is on its way, nobody else of the stage may leave
     assert not await third.balancer.ask_to_leave(plan(third))
     assert third.balancer.yielded == 1
-    for node in stage_mates:
+    for node in mates:
         assert node.state.serving

@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from node.config import resolve_config
 from node.daemon import Node
-from tests.helpers import IN_PROCESS_REPLICA, outer_round
+from tests.helpers import IN_PROCESS_REPLICA, outer_round, stage_mates
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,15 +34,7 @@ SHARE = {"sync.diloco_share_schedule": "true"}
 async def ring_of(*members: dict[str, str]) -> list[Node]:
     """Replicas of stage 1 that know each other, one per entry of ``members``: the settings
     each adds to ``SETTINGS``."""
-    nodes = [Node(resolve_config(overrides={**SETTINGS, **extra})) for extra in members]
-    for node in nodes:
-        await node.start_server()
-        await node.take_stage(1)
-    for me in nodes:
-        for other in nodes:
-            if other is not me:
-                me.table.observe(other.record(), me.clock.now())
-    return nodes
+    return await stage_mates([{**SETTINGS, **extra} for extra in members])
 
 
 @pytest.fixture
