@@ -122,6 +122,10 @@ def test_a_slowed_stage_attracts_more_nodes(tmp_path: Path) -> None:
         print(f"replicas per block stage {dict(got)} after {moves} rebalancing move(s)")
         wait_for(lambda: fetch_status(head)["step"] >= 10, 120, "training goes on")
         assert not s.dead()
+        # no node died, so no stage was ever left without a replica: nothing was rebuilt
+        # (two replicas of one stage leaving together would have emptied it)
+        rebuilt = {a: fetch_status(a)["recovery"]["recoveries"] for a in autos}
+        assert not any(rebuilt.values()), rebuilt
     finally:
         s.stop(grace_s=5)
 
