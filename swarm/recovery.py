@@ -141,6 +141,7 @@ def choose_mover(
     self_record: PeerRecord,
     live: Mapping[int, Sequence[PeerRecord]],
     donors: Container[int] | None = None,
+    arriving: int = 0,
 ) -> bool:
     """Should this node leave its stage to refill ``empty_stage``?
 
@@ -150,7 +151,14 @@ def choose_mover(
     refilled by joining head nodes. ``donors``: the stages that may give one (None: all);
     with neighbourhood tables, the stages that hold ``empty_stage`` and so see it empty in
     their own tables rather than in a summary any member could make up.
+
+    ``arriving``: replicas on their way to ``empty_stage`` (its records there, not ready
+    yet: a refiller rebuilding its weights, a node joining). One is the refill, so nobody
+    else moves: once the first mover has left, its old stage holds one replica fewer and
+    the counts name a second donor, which would also go.
     """
+    if arriving:
+        return False
     counts = {
         s: len(rs)
         for s, rs in live.items()
