@@ -141,7 +141,7 @@ def choose_mover(
     self_record: PeerRecord,
     live: Mapping[int, Sequence[PeerRecord]],
     donors: Container[int] | None = None,
-    arriving: int = 0,
+    in_transit: int = 0,
 ) -> bool:
     """Should this node leave its stage to refill ``empty_stage``?
 
@@ -152,12 +152,12 @@ def choose_mover(
     with neighbourhood tables, the stages that hold ``empty_stage`` and so see it empty in
     their own tables rather than in a summary any member could make up.
 
-    ``arriving``: replicas on their way to ``empty_stage`` (its records there, not ready
-    yet: a refiller rebuilding its weights, a node joining). One is the refill, so nobody
-    else moves: once the first mover has left, its old stage holds one replica fewer and
-    the counts name a second donor, which would also go.
+    ``in_transit``: block replicas joining or moving (records not ready). While one is,
+    nobody moves: it may be the refill. A refiller first drains its old stage, its record
+    there and not ready, so its old stage counts one replica fewer and the rule would name
+    a second donor (both stages next to a killed stage 2 refilled it in logged test runs).
     """
-    if arriving:
+    if in_transit:
         return False
     counts = {
         s: len(rs)

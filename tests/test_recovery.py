@@ -117,12 +117,12 @@ def test_one_mover_from_the_stage_with_most_replicas() -> None:
     assert movers == ["a"]
 
 
-def test_nobody_moves_once_a_replica_is_on_its_way_to_the_empty_stage() -> None:
-    # "a" left stage 1 for stage 2 and is rebuilding there: stage 3 now has the most
-    # replicas, so without the replica on its way "d" would refill stage 2 a second time
+def test_nobody_moves_while_a_replica_is_on_its_way() -> None:
+    # "a" is leaving stage 1 for stage 2 (draining, its record there and not ready): stage 3
+    # now has the most ready replicas, so without it in transit "d" would refill stage 2 too
     live = {0: [rec("h", 0)], 1: [rec("b", 1)], 2: [], 3: [rec("d", 3), rec("e", 3)]}
     assert [r.peer_id for rs in live.values() for r in rs if choose_mover(2, r, live)] == ["d"]
-    assert not any(choose_mover(2, r, live, arriving=1) for rs in live.values() for r in rs)
+    assert not any(choose_mover(2, r, live, in_transit=1) for rs in live.values() for r in rs)
 
 
 def test_never_empties_its_own_stage_and_ties_pick_one_stage() -> None:

@@ -8,7 +8,8 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
 - **Refill.** A joining ``--stage auto`` node takes an empty stage first (``node.services.balance``).
   If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
   stage with the most replicas (never its last) moves there; every node computes the same
-  answer from its table, so one node moves, and nobody once a replica is on its way there. With neighbourhood tables only the stages that
+  answer from its table, so one node moves, and nobody while a block replica is joining or
+  moving (a refiller on its way). With neighbourhood tables only the stages that
   hold the empty one give (they see it empty in their tables; a far stage's summary could
   be made up by any member).
 - **Rebuild.** A node taking over a stage copies a live replica if there is one; otherwise
@@ -212,8 +213,8 @@ class RecoveryService:
             if not table.covers(stage):
                 continue  # known empty by a summary only: the stages that hold it refill it
             donors = {s for s in live if table.covers(stage, own=s)}
-            arriving = sum(not r.ready for r in ctx.everyone().get(stage, ()))
-            if choose_mover(stage, self.record(), live, donors, arriving):
+            moving = sum(not r.ready for s, rs in ctx.everyone().items() if s > 0 for r in rs)
+            if choose_mover(stage, self.record(), live, donors, moving):
                 log.warning(
                     "stage %d empty for %.0fs: moving there from stage %d",
                     stage,
