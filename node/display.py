@@ -79,7 +79,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  balance {bal['policy']}: own block speed {bal['own_block_rate']:.1f} samples/s, "
             f"{'movable' if bal['movable'] else 'pinned'}, {bal['moves']} move(s)"
-            + (f", {bal['yielded']} left to a stage-mate" if bal.get("yielded") else "")
+            + (f", {bal['yielded']} given up to another's" if bal.get("yielded") else "")
             + (
                 f", planned: {plan['peer_id'][:8]} {plan['source']}->{plan['target']}"
                 if plan

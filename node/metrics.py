@@ -501,13 +501,12 @@ def _balance_families(bal: dict[str, Any]) -> Iterator[Metric]:
     )
     yield _counter(
         "murmur_balance_yields",
-        "Moves planned for this node that it did not make: another replica of its stage left "
-        "first.",
+        "Moves planned for this node that it gave up: another replica moved first.",
         bal["yielded"],
     )
     answers = CounterMetricFamily(
         "murmur_balance_answers",
-        "Stage-mates' requests to leave the stage, by this node's answer.",
+        "Other replicas' requests to leave or join this node's stage, by its answer.",
         labels=["answer"],
     )
     for answer, n in bal["answers"].items():

@@ -9,7 +9,7 @@ Owns the aiohttp application and what happens to a request before a service work
   ``Hello``, ``Ping``, ``Probe`` and ``Leave``; the stage role's jobs, queued, for
   ``Forward`` and ``Backward`` (after their route and activations are checked); the runner for ``FetchState``; the sync
   service for gossip and ring chunks; recovery for head backups and rollbacks; the
-  balancer for a stage-mate's request to leave the stage; the reachability check for
+  balancer for a replica's request to leave or join the stage; the reachability check for
   dial-backs and their probes.
 - A frame a relay brings for this node over its WebSocket (``node.net.relay``) is served the
   same way (``serve_relayed``), proof and all; only dial-backs are refused that way.

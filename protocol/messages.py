@@ -475,7 +475,7 @@ class DialBackResult(Message):
 @dataclass(frozen=True)
 class MoveRequest(Message):
     """Rebalancing: "may I leave stage ``stage`` for ``target``?", asked of each replica of
-    ``stage`` before the sender goes (``swarm.balance.MoveLock``); answered ``MoveAnswer``."""
+    both before the sender goes (``swarm.balance.MoveLock``); answered ``MoveAnswer``."""
 
     TYPE: ClassVar[str] = "move_request"
     stage: int
@@ -485,7 +485,7 @@ class MoveRequest(Message):
 
 @dataclass(frozen=True)
 class MoveAnswer(Message):
-    """Whether the asker may leave the stage now, and if not, why."""
+    """Whether the asker may move now, and if not, why."""
 
     TYPE: ClassVar[str] = "move_answer"
     granted: bool

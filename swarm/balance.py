@@ -22,11 +22,13 @@ The first guard alone is not enough: nodes plan from rates of different ages (a 
 figures as of its last publication or its last direct ping, its own of the moment), so two
 replicas of one stage with close rates can each see itself as the one to move, and both go
 (seen in 3 of 38 logged runs of ``tests/test_balance_processes.py``'s slowed stage, each
-emptying stage 1 until recovery refilled it). So a replica that the plan names asks each
-of its stage-mates first, and leaves only if all of them let it go (``MoveLock``): a
-mate that wants to leave too lets the lower peer id go and stays itself; one that has let
-a mate go does not leave, nor let another go, for ``hold_s``. Petals' rule has no
-such step; it costs one round trip to the stage's replicas per move.
+emptying stage 1 until recovery refilled it), and replicas of two stages can each move to
+one target on figures a few seconds old. So a replica the plan names first asks each
+replica of the stage it leaves and of the stage it joins, and moves only if all of them
+let it (``MoveLock``): a replica that wants to move too lets the lower peer id go and
+stays itself; one that has let a replica move does not move, nor let another move, for
+``hold_s``. One replica at a time leaves or joins a stage. Petals' rule has no such step;
+it costs one round trip to the two stages' replicas per move.
 
 A replica's rate is taken to be the same on every block stage (block stages hold equal
 numbers of identical blocks). Pure functions over plain records; the daemon's
@@ -174,65 +176,68 @@ def _source_stage(totals: dict[int, float], counts: dict[int, int], target: int)
 
 
 class MoveLock:
-    """Which of one stage's replicas may leave it now: at most one at a time.
+    """Which replica may leave or join one stage now: at most one at a time.
 
     Owns this replica's side of the exchange before a rebalancing move: its own wish to
-    leave (``want``), the answer to a stage-mate that asks to leave (``answer``), and the
-    verdict once every mate has answered (``conclude``). Does not own the messages, the
-    plan or the move (``node.services.balance``).
+    move (``want``), the answer to a replica that asks to leave or join its stage
+    (``answer``), and the verdict once everyone asked has answered (``conclude``). Does not
+    own the messages, the plan or the move (``node.services.balance``).
 
-    Why it admits one: of two replicas that both want to leave, each asks the other; the
-    higher id lets the lower go and gives up its own wish, the lower refuses the higher, so
-    exactly the lower one goes. A mate that was asked before it wanted to leave has let the
-    asker go and wants nothing for ``hold_s`` (time enough for the mover's new state to
-    reach everyone, whose plans then count it gone); a mate that has let one go refuses any
-    other meanwhile. A replica that is already leaving refuses everyone.
+    Why it admits one: two moves that touch one stage (each leaves or joins it) both ask
+    every replica of it other than themselves, and a mover that is a replica of it is asked
+    by the other (a move's target always has a replica: plans never name an empty stage). A replica lets at most one move within ``hold_s`` and gives up its own
+    wish when it does; it refuses everyone while it is moving, and a higher id while it
+    wants to move itself. So of two moves that touch one stage at most one is made, and of
+    the two replicas of a stage that both want to leave it exactly one goes (the lower id,
+    when both wanted to before either was asked).
+    A replica that was asked before it wanted to move wants nothing for ``hold_s``: time
+    enough for the mover's new state to reach everyone, whose plans then count it moved.
     """
 
     def __init__(self, self_id: str, hold_s: float) -> None:
         self.self_id = self_id
         self.hold_s = hold_s
         self.wanting = False
-        """Asking the stage's mates now."""
-        self.leaving = False
-        """Concluded that it goes: refuse everyone until the node has left (``reset``)."""
+        """Asking the replicas concerned now."""
+        self.moving = False
+        """Concluded that it goes: refuse everyone until the node has moved (``reset``)."""
         self.let_go: dict[str, float] = {}
-        """Mates this replica let leave, with when that lapses."""
+        """Replicas this one let move, with when that lapses."""
 
     def _holding(self, now: float) -> dict[str, float]:
         self.let_go = {p: t for p, t in self.let_go.items() if t > now}
         return self.let_go
 
     def want(self, now: float) -> bool:
-        """Start asking to leave; False when a mate was let go within ``hold_s`` or a
-        request of ours is already out."""
-        if self.wanting or self.leaving or self._holding(now):
+        """Start asking to move; False when another replica was let move within ``hold_s``
+        or a request of ours is already out."""
+        if self.wanting or self.moving or self._holding(now):
             return False
         self.wanting = True
         return True
 
     def answer(self, asker: str, now: float) -> tuple[bool, str]:
-        """Whether the stage-mate ``asker`` may leave, and why not."""
-        if self.leaving:
-            return False, "this replica is leaving the stage itself"
+        """Whether ``asker`` may leave or join our stage, and why not."""
+        if self.moving:
+            return False, "this replica is moving itself"
         others = [p for p in self._holding(now) if p != asker]
         if others:
-            return False, f"replica {others[0][:8]} is leaving the stage first"
+            return False, f"replica {others[0][:8]} moves first"
         if self.wanting and self.self_id < asker:
-            return False, "this replica wants to leave too and has the lower peer id"
+            return False, "this replica wants to move too and has the lower peer id"
         self.wanting = False  # we yield: our own request, if out, concludes no
         self.let_go[asker] = now + self.hold_s
         return True, ""
 
     def conclude(self, all_agreed: bool) -> bool:
-        """After every mate answered: True when this replica goes (it still wanted to, and
-        no mate refused)."""
+        """After everyone asked answered: True when this replica goes (it still wanted to,
+        and nobody refused)."""
         go = self.wanting and all_agreed
         self.wanting = False
-        self.leaving = go
+        self.moving = go
         return go
 
     def reset(self) -> None:
         """The node took another stage: a new stage, a new lock state."""
-        self.wanting = self.leaving = False
+        self.wanting = self.moving = False
         self.let_go.clear()

@@ -39,14 +39,16 @@ IN_PROCESS_REPLICA = {
 by the test (``table.observe``)."""
 
 
-async def stage_mates(settings: list[dict[str, Any]]) -> list[Node]:
-    """Started ``node.daemon.Node``s serving block stage 1, one per entry of ``settings``
-    (each added to ``IN_PROCESS_REPLICA``), each in the others' tables. The caller closes
-    them."""
+async def known_replicas(
+    settings: list[dict[str, Any]], stages: list[int] | None = None
+) -> list[Node]:
+    """Started ``node.daemon.Node``s, one per entry of ``settings`` (each added to
+    ``IN_PROCESS_REPLICA``), serving block stage 1 or the stage ``stages`` gives, each in
+    the others' tables. The caller closes them."""
     nodes = [Node(resolve_config(overrides={**IN_PROCESS_REPLICA, **extra})) for extra in settings]
-    for node in nodes:
+    for node, stage in zip(nodes, stages or [1] * len(nodes), strict=True):
         await node.start_server()
-        await node.take_stage(1)
+        await node.take_stage(stage)
     for me in nodes:
         for other in nodes:
             if other is not me:

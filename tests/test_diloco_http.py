@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from node.daemon import Node
-from tests.helpers import IN_PROCESS_REPLICA, outer_round, stage_mates
+from tests.helpers import IN_PROCESS_REPLICA, known_replicas, outer_round
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +34,7 @@ SHARE = {"sync.diloco_share_schedule": "true"}
 async def ring_of(*members: dict[str, str]) -> list[Node]:
     """Replicas of stage 1 that know each other, one per entry of ``members``: the settings
     each adds to ``SETTINGS``."""
-    return await stage_mates([{**SETTINGS, **extra} for extra in members])
+    return await known_replicas([{**SETTINGS, **extra} for extra in members])
 
 
 @pytest.fixture

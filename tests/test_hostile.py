@@ -385,7 +385,7 @@ async def test_each_kind_of_refusal_is_logged_once_per_burst(
     assert len(refusals) == 2, [r.getMessage() for r in refusals]
 
 
-async def test_a_move_request_to_nowhere_is_refused_and_a_stage_mates_is_answered(
+async def test_a_move_request_to_nowhere_is_refused_and_a_replicas_is_answered(
     make_node: Any,
 ) -> None:
     node = await make_node()
@@ -397,7 +397,7 @@ async def test_a_move_request_to_nowhere_is_refused_and_a_stage_mates_is_answere
     # the stage-mate let go is leaving: another may not leave meanwhile, nor may we
     status, reply = await post(node, MoveRequest(stage=1, target=2, sender=HEAD))
     assert isinstance(reply, MoveAnswer) and not reply.granted, reply
-    assert "leaving the stage first" in reply.reason
+    assert "moves first" in reply.reason
     assert node.balancer.answers == {"granted": 1, "refused": 1}
     assert not node.balancer.lock.want(node.clock.now())
     assert node.state.serving

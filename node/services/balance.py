@@ -15,13 +15,14 @@ Owns three things (policy in ``swarm.balance``, after Petals' block selection, a
   case the plan picks the source stage from totals first) and moves if the plan names it: not before it has served its stage for ``balance.warmup_s``
   (its rate must be a measurement), not within ``balance.cooldown_s`` of its last move, and
   not while any block replica is still joining or moving (their rates are not settled).
-- **Asking first.** Before it leaves, a node the plan names asks each replica of its stage
-  (``MoveRequest``) and goes only if all agree; it answers its mates' requests the same
-  way (``swarm.balance.MoveLock``: one replica of a stage leaves at a time, the lower peer
-  id first). A mate that cannot be reached is not asked again: it cannot be leaving too.
+- **Asking first.** Before it moves, a node the plan names asks each replica of the stage
+  it leaves and of the stage it joins (``MoveRequest``) and goes only if all agree; it
+  answers their requests the same way (``swarm.balance.MoveLock``: one replica at a time
+  leaves or joins a stage, the lower peer id first). A replica that cannot be reached is
+  not waited for: it cannot be moving too.
 
-Counts moves, the moves a stage-mate's went before, and the answers given; keeps the latest
-plan for ``node status`` and the metrics.
+Counts moves, the moves it gave up because another replica moved first, and the answers it
+gave; keeps the latest plan for ``node status`` and the metrics.
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ class Balancer:
         """This node's measured (or cached) undelayed block-stage rate, samples/s."""
         self.moves = 0
         self.yielded = 0
-        """Moves the plan named this node for that it did not make: a mate went first."""
+        """Moves the plan named this node for that it did not make: another went first."""
         self.answers = {"granted": 0, "refused": 0}
-        """Stage-mates' requests to leave, by our answer."""
+        """Other replicas' requests to leave or join our stage, by our answer."""
         self.last_move_s: float | None = None
         self.last_plan: Move | None = None
         self.rng = random.Random(f"balance-{ctx.peer_id}")
-        # a mate let go counts as gone for a cool-down: its new place reaches our plans
+        # a replica let move counts as moved for a cool-down: its new place reaches our plans
         self.lock = MoveLock(ctx.peer_id, hold_s=self.config.cooldown_s)
 
     # ---- own speed ----------------------------------------------------------------------
@@ -157,7 +158,7 @@ class Balancer:
         self.last_plan = plan
         if plan is None or plan.peer_id != ctx.peer_id:
             return None
-        if not await self.ask_to_leave(plan):
+        if not await self.ask_to_move(plan):
             return None
         log.warning(
             "rebalancing: moving from stage %d to stage %d (bottleneck %.1f -> %.1f samples/s)",
@@ -176,48 +177,52 @@ class Balancer:
 
     # ---- one replica of a stage leaves at a time ----------------------------------------
 
-    async def ask_to_leave(self, plan: Move) -> bool:
-        """Ask every replica of our stage whether we may leave it; True when we go (False
-        is counted in ``yielded``)."""
+    async def ask_to_move(self, plan: Move) -> bool:
+        """Ask every replica of the stage we leave and of the stage we join whether we may;
+        True when we go (False is counted in ``yielded``)."""
         ctx = self.ctx
         if not self.lock.want(ctx.clock.now()):
-            log.info("rebalancing: a replica of stage %d is leaving it; staying", plan.source)
+            log.info("rebalancing: another replica is moving from or to stage %d", plan.source)
             self.yielded += 1
             return False
-        mates = [
+        asked = [
             r
             for r in ctx.table.records()
-            if r.stage == plan.source and not r.leaving and r.peer_id != ctx.peer_id
+            if r.stage in (plan.source, plan.target) and not r.leaving and r.peer_id != ctx.peer_id
         ]
         msg = MoveRequest(stage=plan.source, target=plan.target, sender=ctx.peer_id)
-        answers = await asyncio.gather(*(self._ask(r, msg) for r in mates))
+        answers = await asyncio.gather(*(self._ask(r, msg) for r in asked))
         go = self.lock.conclude(all(answers))
         if not go:
-            log.info("rebalancing: another replica of stage %d goes first; staying", plan.source)
+            log.info(
+                "rebalancing: another replica moves from or to stage %d or %d first; staying",
+                plan.source,
+                plan.target,
+            )
             self.yielded += 1
         return go
 
-    async def _ask(self, mate: PeerRecord, msg: MoveRequest) -> bool:
-        """Whether ``mate`` lets us leave (one that cannot be reached cannot leave too)."""
+    async def _ask(self, peer: PeerRecord, msg: MoveRequest) -> bool:
+        """Whether ``peer`` lets us move (one that cannot be reached cannot be moving too)."""
         timeout_s = self.ctx.config.membership.request_timeout_s
         try:
-            reply = await self.ctx.transport.request(mate.address, msg, timeout_s, mate.peer_id)
+            reply = await self.ctx.transport.request(peer.address, msg, timeout_s, peer.peer_id)
         except TransportError as e:
             if e.code in ("unreachable", "timeout"):
-                log.info("rebalancing: %s did not answer (%s); not waiting", mate.peer_id[:8], e)
+                log.info("rebalancing: %s did not answer (%s); not waiting", peer.peer_id[:8], e)
                 return True
-            log.info("rebalancing: %s refused our move: %s", mate.peer_id[:8], e)
+            log.info("rebalancing: %s refused our move: %s", peer.peer_id[:8], e)
             return False
         if not isinstance(reply, MoveAnswer):
-            log.info("rebalancing: %s answered %s to a move request", mate.peer_id[:8], reply.TYPE)
+            log.info("rebalancing: %s answered %s to a move request", peer.peer_id[:8], reply.TYPE)
             return False
         if not reply.granted:
-            log.info("rebalancing: %s keeps us: %s", mate.peer_id[:8], reply.reason)
+            log.info("rebalancing: %s keeps us: %s", peer.peer_id[:8], reply.reason)
         return reply.granted
 
     def on_request(self, msg: MoveRequest) -> MoveAnswer:
-        """A stage-mate asks to leave our stage (``MoveLock.answer``); a request about a
-        stage we do not serve is granted (our answer does not matter there)."""
+        """A replica asks to leave our stage or to join it (``MoveLock.answer``); a request
+        about two stages we do not serve is granted (our answer does not matter there)."""
         ctx, stage = self.ctx, self.ctx.state.stage
         if not 0 < msg.target < ctx.num_stages or msg.target == msg.stage:
             raise Refused(
@@ -226,12 +231,12 @@ class Balancer:
                 f"1..{ctx.num_stages - 1})",
                 400,
             )
-        if msg.stage != stage:
+        if stage not in (msg.stage, msg.target):
             return MoveAnswer(granted=True, reason=f"this node serves stage {stage}")
         granted, reason = self.lock.answer(msg.sender, ctx.clock.now())
         self.answers["granted" if granted else "refused"] += 1
         log.info(
-            "rebalancing: %s asks to leave stage %d for %d: %s",
+            "rebalancing: %s asks to move from stage %d to %d: %s",
             msg.sender[:8],
             msg.stage,
             msg.target,
