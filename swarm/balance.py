@@ -175,6 +175,15 @@ def _source_stage(totals: dict[int, float], counts: dict[int, int], target: int)
     return None if best is None else -best[1]
 
 
+MOVE_HOLD_S = 10.0
+"""How long a replica that let another move lets nobody else move, nor moves itself: the
+mover hears every answer within a request timeout (3 s by default) and its record, no
+longer ready, reaches the planners within a heartbeat or two; from then on their plans wait
+for it (no plan while a block replica is joining or moving). Asking again does not extend
+it, so two movers that each hold one of a stage's replicas are both refused for no longer
+than this."""
+
+
 class MoveLock:
     """Which replica may leave or join one stage now: at most one at a time.
 
@@ -194,7 +203,7 @@ class MoveLock:
     enough for the mover's new state to reach everyone, whose plans then count it moved.
     """
 
-    def __init__(self, self_id: str, hold_s: float) -> None:
+    def __init__(self, self_id: str, hold_s: float = MOVE_HOLD_S) -> None:
         self.self_id = self_id
         self.hold_s = hold_s
         self.wanting = False
@@ -226,7 +235,7 @@ class MoveLock:
         if self.wanting and self.self_id < asker:
             return False, "this replica wants to move too and has the lower peer id"
         self.wanting = False  # we yield: our own request, if out, concludes no
-        self.let_go[asker] = now + self.hold_s
+        self.let_go.setdefault(asker, now + self.hold_s)  # asking again does not extend it
         return True, ""
 
     def conclude(self, all_agreed: bool) -> bool:

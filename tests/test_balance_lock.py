@@ -32,9 +32,9 @@ def test_a_replica_that_let_one_move_waits_hold_s_and_refuses_others_meanwhile()
     assert not b.want(5)  # A is on its way: its new place has not reached our plans yet
     granted, why = b.answer(C, 5)
     assert not granted and A[:8] in why
-    assert b.answer(A, 6)[0]  # the same asker asking again is let go again
-    assert b.want(16.5)
-    assert b.answer(C, 16.5) == (False, "this replica wants to move too and has the lower peer id")
+    assert b.answer(A, 6)[0]  # the same asker asking again is let go again...
+    assert b.want(10.5)  # ...but that does not extend the hold
+    assert b.answer(C, 10.5) == (False, "this replica wants to move too and has the lower peer id")
 
 
 def test_a_replica_that_goes_refuses_everyone_until_it_has_left() -> None:
@@ -113,7 +113,7 @@ async def mates() -> AsyncIterator[list[Node]]:
     """Three replicas of stage 1 (of 2 block stages), lowest peer id first."""
     nodes: list[Node] = []
     try:
-        nodes += await known_replicas([{"balance.cooldown_s": 60}] * 3)
+        nodes += await known_replicas([{}] * 3)
         yield sorted(nodes, key=lambda n: n.peer_id)
     finally:
         for node in nodes:
@@ -147,7 +147,7 @@ async def two_to_one() -> AsyncIterator[list[Node]]:
     """Replicas of stages 1, 3 (the movers) and 2 (the target), of 3 block stages."""
     nodes: list[Node] = []
     try:
-        three = {"swarm.num_block_stages": 3, "balance.cooldown_s": 60}
+        three = {"swarm.num_block_stages": 3}
         nodes += await known_replicas([three] * 3, stages=[1, 3, 2])
         yield nodes
     finally:

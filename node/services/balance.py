@@ -71,8 +71,7 @@ class Balancer:
         self.last_move_s: float | None = None
         self.last_plan: Move | None = None
         self.rng = random.Random(f"balance-{ctx.peer_id}")
-        # a replica let move counts as moved for a cool-down: its new place reaches our plans
-        self.lock = MoveLock(ctx.peer_id, hold_s=self.config.cooldown_s)
+        self.lock = MoveLock(ctx.peer_id)
 
     # ---- own speed ----------------------------------------------------------------------
 
