@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -109,26 +110,32 @@ def test_in_every_order_of_messages_two_moves_never_touch_one_stage() -> None:
 
 
 @pytest.fixture
-async def mates() -> AsyncIterator[list[Node]]:
-    """Three replicas of stage 1 (of 2 block stages), lowest peer id first."""
+async def replicas() -> AsyncIterator[Callable[..., Awaitable[list[Node]]]]:
+    """Starts in-process nodes that know each other (``known_replicas``); closes them."""
     nodes: list[Node] = []
+
+    async def start(settings: list[dict[str, Any]], stages: list[int] | None = None) -> list[Node]:
+        nodes.extend(await known_replicas(settings, stages))
+        return nodes
+
     try:
-        nodes += await known_replicas([{}] * 3)
-        yield sorted(nodes, key=lambda n: n.peer_id)
+        yield start
     finally:
         for node in nodes:
             await node.close()
 
 
+def plan(node: Node, target: int = 2) -> Move:
+    """A plan that names ``node`` to leave its stage for ``target``."""
+    return Move(node.peer_id, node.state.stage, target, current_min=10.0, new_min=20.0)
+
+
 @pytest.mark.timeout(60)
 async def test_two_real_replicas_named_at_once_ask_and_only_the_lower_id_leaves(
-    mates: list[Node],
+    replicas: Any,
 ) -> None:
+    mates = sorted(await replicas([{}] * 3), key=lambda n: n.peer_id)  # stage 1 of 2
     low, high, third = mates[0], mates[2], mates[1]
-
-    def plan(node: Node) -> Move:
-        return Move(node.peer_id, source=1, target=2, current_min=10.0, new_min=20.0)
-
     went = await asyncio.gather(
         low.balancer.ask_to_move(plan(low)), high.balancer.ask_to_move(plan(high))
     )
@@ -142,30 +149,14 @@ async def test_two_real_replicas_named_at_once_ask_and_only_the_lower_id_leaves(
         assert node.state.serving
 
 
-@pytest.fixture
-async def two_to_one() -> AsyncIterator[list[Node]]:
-    """Replicas of stages 1, 3 (the movers) and 2 (the target), of 3 block stages."""
-    nodes: list[Node] = []
-    try:
-        three = {"swarm.num_block_stages": 3}
-        nodes += await known_replicas([three] * 3, stages=[1, 3, 2])
-        yield nodes
-    finally:
-        for node in nodes:
-            await node.close()
-
-
 @pytest.mark.timeout(60)
 async def test_replicas_of_two_stages_named_at_once_for_one_target_do_not_both_go(
-    two_to_one: list[Node],
+    replicas: Any,
 ) -> None:
     """Plans from summaries of different ages can name a replica of stage 1 and one of stage
     3 for stage 2 at once; the target's replica lets one of them come."""
-    one, three, target = two_to_one
-
-    def plan(node: Node) -> Move:
-        return Move(node.peer_id, node.state.stage, 2, current_min=10.0, new_min=20.0)
-
+    settings = {"swarm.num_block_stages": 3}
+    one, three, target = await replicas([settings] * 3, stages=[1, 3, 2])
     went = await asyncio.gather(
         one.balancer.ask_to_move(plan(one)), three.balancer.ask_to_move(plan(three))
     )
