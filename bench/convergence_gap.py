@@ -22,7 +22,8 @@ could be:
 - a smaller step (``dp_half_lr``: data parallel at half the learning rate);
 - the budget (``noloco_15m`` against ``dp_15m``: three times the tokens, the schedule
   stretched to match; ``site_noloco_15m`` against ``site_dp_15m`` on the larger corpus,
-  and their seed 1, ``site_noloco_15m_s1`` against ``site_dp_15m_s1``);
+  and their seeds 1 and 2, ``site_noloco_15m_s1`` against ``site_dp_15m_s1`` and
+  ``site_noloco_15m_s2`` against ``site_dp_15m_s2``);
 - the corpus (``site_noloco`` against ``site_dp``: the embedded corpus holds about 1.9M
   training tokens, so 5M tokens pass over it 2.7 times and 15M eight times; these two train
   on the docstrings of the installed packages, ``bench/site_corpus.py``, about 34M tokens,
@@ -169,6 +170,8 @@ VARIANTS["site_pair_average_h5_15m"] = _longer("site_pair_average_h5", 15_000_00
 VARIANTS["site_noloco_15m"] = _longer("site_noloco", 15_000_000, "site_dp_15m")
 VARIANTS["site_dp_15m_s1"] = _other_seed("site_dp_15m", 1, "site_dp_15m_s1")
 VARIANTS["site_noloco_15m_s1"] = _other_seed("site_noloco_15m", 1, "site_dp_15m_s1")
+VARIANTS["site_dp_15m_s2"] = _other_seed("site_dp_15m", 2, "site_dp_15m_s2")
+VARIANTS["site_noloco_15m_s2"] = _other_seed("site_noloco_15m", 2, "site_dp_15m_s2")
 
 
 def _on_gpu(name: str, tokens: int) -> Variant:
