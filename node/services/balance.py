@@ -174,7 +174,7 @@ class Balancer:
             self.lock.reset()
         return plan
 
-    # ---- one replica of a stage leaves at a time ----------------------------------------
+    # ---- one replica at a time leaves or joins a stage ----------------------------------
 
     async def ask_to_move(self, plan: Move) -> bool:
         """Ask every replica of the stage we leave and of the stage we join whether we may;
