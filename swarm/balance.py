@@ -28,7 +28,9 @@ replica of the stage it leaves and of the stage it joins, and moves only if all 
 let it (``MoveLock``): a replica that wants to move too lets the lower peer id go and
 stays itself; one that has let a replica move does not move, nor let another move, for
 ``hold_s``. One replica at a time leaves or joins a stage. Petals' rule has no such step;
-it costs one round trip to the two stages' replicas per move.
+it costs one round trip to the two stages' replicas per move. With neighbourhood tables a
+target outside the mover's neighbourhood is known only by a summary, so its replicas are
+not asked: two moves into a far stage are bounded by the cool-down only, as before.
 
 A replica's rate is taken to be the same on every block stage (block stages hold equal
 numbers of identical blocks). Pure functions over plain records; the daemon's

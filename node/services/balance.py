@@ -19,7 +19,8 @@ Owns three things (policy in ``swarm.balance``, after Petals' block selection, a
   it leaves and of the stage it joins (``MoveRequest``) and goes only if all agree; it
   answers their requests the same way (``swarm.balance.MoveLock``: one replica at a time
   leaves or joins a stage, the lower peer id first). A replica that cannot be reached is
-  not waited for: it cannot be moving too.
+  not waited for: it cannot be moving too. Only replicas the table holds are asked (a far
+  target known by a summary alone is not).
 
 Counts moves, the moves it gave up because another replica moved first, and the answers it
 gave; keeps the latest plan for ``node status`` and the metrics.
