@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ok, why = netns_available()
     if not ok:
         raise SystemExit(f"bench.wan needs network namespaces: {why}")
-    tokens = 250_000 if args.quick and args.tokens == 600_000 else args.tokens
+    tokens = 180_000 if args.quick and args.tokens == 600_000 else args.tokens
     logs = Path(tempfile.mkdtemp(prefix="murmuration-wan-"))
     todo = [
         replace(v, seed=args.seed)

@@ -30,7 +30,7 @@ def test_the_wan_benchmark_trains_through_shaped_links_and_reports_the_ratio(
     runs = {r["name"]: r for r in result["runs"]}
     assert set(runs) == {"0ms", "50ms", "50ms-20mbit-auto"}
     for run in runs.values():
-        assert run["tokens_at_eval"] >= 250_000 and run["tokens_per_s"] > 0
+        assert run["tokens_at_eval"] >= 180_000 and run["tokens_per_s"] > 0
         assert math.isfinite(run["eval_loss"])
         assert set(run["compute_utilisation"]) == {"1:s0", "2:s1", "3:s2", "4:s3"}
         assert all(0 < u <= 1.05 for u in run["compute_utilisation"].values())

@@ -234,7 +234,7 @@ def test_generate_with_kv_cache_gives_the_same_tokens_faster() -> None:
 # Training stops changing the weights once every stage is past total_steps: the cosine decays
 # the learning rate to exactly 0 (min_lr_ratio 0) and sync "none" takes no outer steps. So the
 # swarm's evaluation and the export see the same weights.
-TRAIN_STEPS = 150
+TRAIN_STEPS = 100
 SWARM = {
     "node.join_wait_s": "1.0",
     "train.eval_interval_s": "0",

@@ -80,8 +80,8 @@ def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
 
 
 def test_noloco_pull_term_keeps_replicas_closer(tmp_path: Path) -> None:
-    with_pull = run_three_replicas(tmp_path, "0.7", rounds=20)
-    without = run_three_replicas(tmp_path, "0.0", rounds=20)
+    with_pull = run_three_replicas(tmp_path, "0.7", rounds=16)
+    without = run_three_replicas(tmp_path, "0.0", rounds=16)
     print(f"late-round partner spread: with pull {with_pull:.3e}, without {without:.3e}")
     assert with_pull < 0.8 * without, (with_pull, without)
 
