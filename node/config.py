@@ -66,6 +66,11 @@ class NodeConfig:
     the tokenizer (``node.stage.hf``)."""
     join_wait_s: float = 2.0
     """How long a joining node listens for peers before choosing a stage and fetching state."""
+    settle_s: float = 2.0
+    """How long a ``--stage auto`` node announces its choice before taking it (past the last
+    announcement it saw): nodes that announced one stage at the same moment take turns, the
+    lower peer ids first, instead of all taking the stage that looked weakest to each (0:
+    take the first choice)."""
     drain_s: float = 3.0
     """On SIGINT/SIGTERM, how long to finish in-flight work before exiting."""
     log_level: str = "info"

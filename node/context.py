@@ -44,6 +44,8 @@ class NodeState:
     """Serving: peers may route work here."""
     leaving: bool = False
     """Shutting down: no new work is taken."""
+    settling: bool = False
+    """Joining ``--stage auto``: ``stage`` is announced and may still change (``node.settle_s``)."""
     draining: bool = False
     """Moving to another stage: the backwards of forwards made here are still taken."""
     address: str = ""

@@ -53,6 +53,7 @@ from node.stage.runner import StageRunner
 from protocol.auth import Identity
 from protocol.frames import Limits
 from protocol.messages import PeerRecord, StageState
+from swarm.balance import SETTLE_ROUNDS
 from swarm.discovery import ZeroconfDiscovery, announce_addresses
 from swarm.membership import IntroducingTransport, MembershipService
 from swarm.peers import Neighbourhood, PeerTable
@@ -205,6 +206,7 @@ class Node:
             step_s=r.step_s if r else 0.0,
             relays=self.relays.addresses,
             relay_slots=self.relay_hub.slots(),
+            settling=state.settling,
         )
 
     def status(self) -> dict[str, Any]:
@@ -415,10 +417,48 @@ class Node:
         self._adopt_observed()
         await self.reachability.until_servable(self._adopt_observed)
         if self.config.node.stage == "auto":
-            stage = self.balancer.choose()
+            stage = await self._settle()
         else:
             stage = int(self.config.node.stage)
         await self.take_stage(stage)
+
+    async def _settle(self) -> int:
+        """A ``--stage auto`` node's stage. Nodes started together all see the same table,
+        and each alone would take the one stage that looks weakest to it; so a node
+        announces its choice, waits ``node.settle_s`` past the last announcement it sees,
+        and takes the stage only if its turn among the nodes that announced the same stage
+        gives that stage again, else it announces the new answer and asks again
+        (``swarm.balance.settle_join``; at most ``SETTLE_ROUNDS`` rounds)."""
+        wait, stage = self.config.node.settle_s, self.balancer.choose()
+        rounds = 0
+        while wait > 0 and rounds < SETTLE_ROUNDS:
+            rounds += 1
+            self.state.stage, self.state.settling = stage, True
+            self.membership.own()  # an essential change: pushed to peers at once
+            await self._quiet(wait)
+            again = self.balancer.choose(announced=stage)
+            if again == stage:
+                break
+            stage = again
+        self.state.settling = False  # published when we take the stage: count us there
+        log.info("stage auto: joining stage %d (after %d round(s) of announcing)", stage, rounds)
+        return stage
+
+    async def _quiet(self, wait: float) -> None:
+        """Until no new announcement came for ``wait`` seconds (at most three times that):
+        nodes announcing in one burst then all look after it, over the same joiners."""
+        start = quiet = time.monotonic()
+        seen = self._settling()
+        while time.monotonic() - quiet < wait and time.monotonic() - start < 3 * wait:
+            await asyncio.sleep(0.1)
+            if not (now := self._settling()) <= seen:
+                seen, quiet = seen | now, time.monotonic()
+
+    def _settling(self) -> set[tuple[str, int]]:
+        """Peers that announced a stage and may still change it, with the stage."""
+        return {
+            (r.peer_id, r.stage) for rs in self.ctx.everyone().values() for r in rs if r.settling
+        }
 
     async def take_stage(self, stage: int) -> None:
         """Build ``stage``'s runner and role, get its weights (copy, rebuild or seed), serve."""

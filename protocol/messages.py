@@ -82,6 +82,10 @@ class PeerRecord:
     the first few (``node.net.relay.MAX_RELAYS``)."""
     relay_slots: int = 0
     """Nodes this peer could still relay for (0: it does not relay)."""
+    settling: bool = False
+    """True while a joining ``--stage auto`` node has announced a stage and may still change
+    it (``node.settle_s``): nodes that announced one stage at the same moment take turns,
+    the lower peer ids first (``swarm.balance.settle_join``)."""
 
     def problem(self) -> str | None:
         """What no honest peer publishes (a negative or non-finite figure: routing divides

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
-from swarm.balance import Move, Replica, fill_unknown, join_stage, plan_move, stage_totals
+from swarm.balance import (
+    SETTLE_ROUNDS,
+    Move,
+    Replica,
+    fill_unknown,
+    join_stage,
+    plan_move,
+    settle_join,
+    stage_totals,
+)
 
 
 def swarm(*stages: list[float], head: float = 100.0) -> list[Replica]:
@@ -56,6 +66,22 @@ def test_join_ties_are_broken_at_random() -> None:
     assert set(picks) == {1, 2, 3}
 
 
+def test_a_tie_keeps_its_pick_when_another_tied_stage_drops_out() -> None:
+    # nodes deciding a moment apart see one tied stage fewer or more: a joiner's pick among
+    # ties must not change with the stages it did not pick (``settle_joins`` relies on it)
+    for seed in range(40):
+        first = join_stage(swarm([], [], []), 4, random.Random(seed))
+        for other in {1, 2, 3} - {first}:
+            fewer = [[], [], []]
+            fewer[other - 1] = [1.0]
+            assert join_stage(swarm(*fewer), 4, random.Random(seed)) == first
+        tied = join_stage(swarm([2.0], [2.0], [2.0]), 4, random.Random(seed))
+        for other in {1, 2, 3} - {tied}:
+            rates = [[2.0], [2.0], [2.0]]
+            rates[other - 1] = [3.0]
+            assert join_stage(swarm(*rates), 4, random.Random(seed)) == tied
+
+
 def test_a_joining_peer_without_a_rate_counts_as_a_typical_one() -> None:
     # stage 2's second replica has not measured anything: it counts as the median (4/s),
     # so stage 2 (4 + 4) is stronger than stage 1 (4 + 3)
@@ -63,6 +89,98 @@ def test_a_joining_peer_without_a_rate_counts_as_a_typical_one() -> None:
     assert join_stage(reps, 3, random.Random(0)) == 1
     assert [r.rate for r in fill_unknown(reps[1:], 1.0)] == [4.0, 3.0, 4.0, 4.0]
     assert [r.rate for r in fill_unknown([Replica("a", 1, 0.0)], 7.0)] == [7.0]
+
+
+# ---- nodes that choose at the same moment ---------------------------------------------------
+
+
+def pick4(placed: Sequence[Replica], rng: random.Random) -> int:
+    return join_stage(placed, 4, rng)
+
+
+def settle_round(
+    fixed: list[Replica], stage: dict[str, int], settling: set[str], rates: dict[str, float]
+) -> None:
+    """One round, every settling joiner asking at once from the same snapshot: one whose
+    answer is its announced stage takes it (leaves ``settling``), the others announce theirs."""
+    snap, asking = dict(stage), set(settling)
+    for j in sorted(asking):
+        others = fixed + [Replica(o, snap[o], rates[o]) for o in snap if o != j]
+        again = settle_join(j, snap[j], others, asking, pick4)
+        if again == snap[j]:
+            settling.discard(j)
+        stage[j] = again
+
+
+def block_counts(fixed: list[Replica], stage: dict[str, int]) -> list[int]:
+    c = Counter([r.stage for r in fixed] + list(stage.values()))
+    return [c[s] for s in (1, 2, 3)]
+
+
+def test_three_nodes_that_saw_one_empty_stage_take_turns() -> None:
+    # a logged start: stages 1 and 3 held one replica each, and three nodes all saw stage 2
+    # empty and announced it. The lowest id keeps it; the next two take their turns after
+    # it, each counting the turns before its own
+    fixed = [Replica("head", 0, 1.0, movable=False), Replica("a", 1, 1.0), Replica("b", 3, 1.0)]
+    ids = ["j0", "j1", "j2"]
+    others = fixed + [Replica(j, 2, 1.0) for j in ids]
+    answers = {j: settle_join(j, 2, others, set(ids), pick4) for j in ids}
+    assert answers["j0"] == 2
+    turn1 = join_stage([*fixed, Replica("j0", 2, 1.0)], 4, random.Random("join-j1"))
+    assert answers["j1"] == turn1  # by hand: j0 counted on stage 2, j2 not yet
+    placed = [*fixed, Replica("j0", 2, 1.0), Replica("j1", turn1, 1.0)]
+    assert answers["j2"] == join_stage(placed, 4, random.Random("join-j2"))
+    counts = block_counts(fixed, answers)
+    assert max(counts) - min(counts) <= 1, counts  # 2, 2, 1 in some order: five on three
+
+
+def test_a_lone_joiner_takes_the_plain_rule_and_later_ids_do_not_count() -> None:
+    fixed = swarm([2.0], [1.0], [2.0])
+    alone = settle_join("m", 2, fixed, set(), pick4)
+    assert alone == join_stage(fixed, 4, random.Random("join-m")) == 2
+    # higher ids announced on our stage come after us: they change nothing
+    later = [*fixed, Replica("n", 2, 5.0), Replica("z", 2, 5.0)]
+    assert settle_join("m", 2, later, {"n", "z"}, pick4) == 2
+    # a lower id announced on our stage goes first: stage 2 then reads 1 + 5, and we go to
+    # the weakest of the rest (stages 1 and 3 tie at 2: our own preference decides)
+    earlier = [*fixed, Replica("a", 2, 5.0)]
+    assert settle_join("m", 2, earlier, {"a"}, pick4) in (1, 3)
+    # ...unless it has taken its stage already: then it is simply counted where it is
+    assert settle_join("m", 2, earlier, set(), pick4) in (1, 3)
+
+
+def test_joiners_pile_on_a_stage_when_the_rule_says_so() -> None:
+    # stage 1 at 2/s, stage 2 at 10/s: two joiners at 5/s announced stage 1 both keep it
+    # (2 + 5 = 7 is still below 10)
+    others = [*swarm([2.0], [10.0]), Replica("j0", 1, 5.0), Replica("j1", 1, 5.0)]
+
+    def pick3(placed: Sequence[Replica], rng: random.Random) -> int:
+        return join_stage(placed, 3, rng)
+
+    assert [settle_join(j, 1, others, {"j0", "j1"}, pick3) for j in ("j0", "j1")] == [1, 1]
+
+
+def test_bursts_of_joiners_end_balanced_within_the_rounds() -> None:
+    """An independent statement of the goal. Equal nodes, 2 to 9 of them, all choosing
+    from one view at the same instant (the worst case: a swarm started at once), over block
+    stages that start at most one replica apart: after ``SETTLE_ROUNDS`` rounds in which
+    every one asks at once, the block stages' counts are at most one apart. Their first
+    choices alone are not (most bursts pile up): this is what the rounds fix."""
+    rng = random.Random(11)
+    first_balanced = 0
+    for _ in range(500):
+        start = [rng.randint(1, 2) for _ in range(3)]
+        fixed = swarm(*([1.0] * n for n in start))
+        ids = [f"{rng.getrandbits(32):08x}" for _ in range(rng.randint(2, 9))]
+        stage = {j: join_stage(fixed, 4, random.Random(f"join-{j}")) for j in ids}
+        counts = block_counts(fixed, stage)
+        first_balanced += max(counts) - min(counts) <= 1
+        settling = set(ids)
+        for _ in range(SETTLE_ROUNDS):
+            settle_round(fixed, stage, settling, dict.fromkeys(ids, 1.0))
+        counts = block_counts(fixed, stage)
+        assert max(counts) - min(counts) <= 1, (start, counts)
+    assert first_balanced < 250, first_balanced
 
 
 def test_stage_totals_sum_rates_per_stage() -> None:

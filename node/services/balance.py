@@ -32,7 +32,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from node.context import NodeContext
 from node.stage.speed import cached_or_measured_rate, with_delay
 from protocol.messages import MoveAnswer, MoveRequest, PeerRecord
 from swarm.assignment import choose_stage
-from swarm.balance import Move, MoveLock, Replica, join_stage, plan_move
+from swarm.balance import Move, MoveLock, Replica, join_stage, plan_move, settle_join
 from swarm.seams import Refused, TransportError
 
 log = logging.getLogger(__name__)
@@ -102,26 +102,44 @@ class Balancer:
         records = [r for rs in everyone for r in rs if r.ready or not ready_only]
         if state.stage >= 0 and not state.leaving and (state.ready or not ready_only):
             records.append(self.record())
-        return [Replica(r.peer_id, r.stage, r.throughput, r.movable) for r in records]
+        return [_policy_record(r) for r in records]
 
-    def choose(self) -> int:
-        """The stage a joining ``--stage auto`` node takes under the configured policy."""
+    def choose(self, announced: int = -1) -> int:
+        """The stage a joining ``--stage auto`` node takes under the configured policy. With
+        ``announced`` (the stage we announced and are settling on), one round of turn-taking
+        among the nodes that announced it at the same moment: the lower peer ids go first
+        (``swarm.balance.settle_join``)."""
         ctx = self.ctx
+        records = [r for rs in ctx.everyone().values() for r in rs if r.peer_id != ctx.peer_id]
+        settling = {r.peer_id for r in records if r.settling}
+        others = [_policy_record(r) for r in records]
+        stage = settle_join(ctx.peer_id, announced, others, settling, self._pick)
+        rivals = [r.peer_id for r in records if r.settling and r.stage == announced >= 0]
+        ahead = sum(p < ctx.peer_id for p in rivals)
+        counts = {s: sum(r.stage == s for r in records) for s in range(ctx.num_stages)}
+        totals = {
+            s: round(sum(r.rate for r in others if r.stage == s), 1) for s in range(ctx.num_stages)
+        }
+        log.info(
+            "stage auto: replicas per stage %s, samples/s %s%s -> stage %d",
+            counts,
+            totals,
+            f", {len(rivals)} other(s) announced stage {announced} with us ({ahead} ahead)"
+            if announced >= 0
+            else "",
+            stage,
+        )
+        return stage
+
+    def _pick(self, placed: Sequence[Replica], rng: random.Random) -> int:
+        """The configured joining rule over ``placed``."""
+        n = self.ctx.num_stages
         if self.config.policy == "replicas":
-            everyone = ctx.everyone()
-            counts = {s: len(everyone.get(s, ())) for s in range(ctx.num_stages)}
+            counts = {s: sum(r.stage == s for r in placed) for s in range(n)}
             if counts[0]:  # as with throughput: the head stage only when it is empty
                 counts.pop(0)
-            stage = choose_stage(counts, ctx.rng)
-            log.info("stage auto: replicas per stage %s -> joining stage %d", counts, stage)
-            return stage
-        joining = self.replicas(ready_only=False)
-        stage = join_stage(joining, ctx.num_stages, ctx.rng, self.block_rate or 1.0)
-        totals = {
-            s: round(sum(r.rate for r in joining if r.stage == s), 1) for s in range(ctx.num_stages)
-        }
-        log.info("stage auto: samples/s per stage %s -> joining stage %d", totals, stage)
-        return stage
+            return choose_stage(counts, rng)
+        return join_stage(placed, n, rng, self.block_rate or 1.0)
 
     # ---- rebalancing --------------------------------------------------------------------
 
@@ -266,3 +284,7 @@ class Balancer:
                 "new_min": round(plan.new_min, 2),
             },
         }
+
+
+def _policy_record(r: PeerRecord) -> Replica:
+    return Replica(r.peer_id, r.stage, r.throughput, r.movable)
