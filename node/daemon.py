@@ -446,7 +446,9 @@ class Node:
 
     async def _quiet(self, wait: float) -> None:
         """Until no new announcement came for ``wait`` seconds (at most three times that):
-        nodes announcing in one burst then all look after it, over the same joiners."""
+        nodes announcing in one burst then all look after it, over the same joiners. So a
+        peer that keeps changing its announcement delays a join by at most
+        ``SETTLE_ROUNDS`` times three ``wait``s (24 s by default)."""
         start = quiet = time.monotonic()
         seen = self._settling()
         while time.monotonic() - quiet < wait and time.monotonic() - start < 3 * wait:
