@@ -17,8 +17,17 @@ def choose_stage(replicas: Mapping[int, int], rng: random.Random) -> int:
     if not replicas:
         raise ValueError("choose_stage needs at least one stage")
     fewest = min(replicas.values())
-    candidates = sorted(stage for stage, n in replicas.items() if n == fewest)
-    return rng.choice(candidates)
+    return first_drawn([s for s, n in replicas.items() if n == fewest], replicas, rng)
+
+
+def first_drawn(candidates: Iterable[int], stages: Iterable[int], rng: random.Random) -> int:
+    """Of tied ``candidates``, the first in an order of ``stages`` drawn from ``rng``: each
+    candidate equally likely, and a pick that stays when another candidate drops out, so a
+    joiner's answer is the same from one round of ``swarm.balance.settle_join`` to the next."""
+    order = sorted(stages)
+    rng.shuffle(order)
+    rank = {s: i for i, s in enumerate(order)}
+    return min(candidates, key=rank.__getitem__)
 
 
 def choose_shard(num_shards: int, taken: Iterable[int], preferred: int) -> int:

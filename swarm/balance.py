@@ -44,6 +44,8 @@ import statistics
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from swarm.assignment import first_drawn
+
 EPS = 1e-3
 """Slack on the quality test so that an exact tie never triggers a move (Petals uses 1e-3)."""
 
@@ -104,17 +106,13 @@ def join_stage(
     for r in replicas:
         if r.stage in counts:
             counts[r.stage] += 1
-    # ties: the first in an order drawn from ``rng``, so that a joiner keeps its pick when
-    # another tied stage drops out (``settle_joins`` relies on it)
-    order = list(range(num_stages))
-    rng.shuffle(order)
     empty = [s for s, n in counts.items() if n == 0]
     if empty:
-        return min(empty, key=order.index)
+        return first_drawn(empty, counts, rng)
     blocks = [r for r in replicas if r.stage > 0]  # head rates measure different work
     totals = stage_totals(fill_unknown(blocks, own_rate), range(1, num_stages))
     low = min(totals.values())
-    return min((s for s, t in totals.items() if t <= low * (1 + EPS)), key=order.index)
+    return first_drawn([s for s, t in totals.items() if t <= low * (1 + EPS)], counts, rng)
 
 
 def settle_join(
@@ -128,13 +126,12 @@ def settle_join(
     where ``me``, announced on ``stage``, should go. The ``settling`` nodes announced on
     ``stage`` take their turns in peer-id order: each lower id than ours takes ``pick``
     (the joining rule) over ``others`` and the turns before it, then we do; higher ids come
-    after us and are not counted; each counts as a typical replica (``fill_unknown``): a
-    joiner's rate is its start-up benchmark, published as a figure seconds old, and the
-    members of the group must compute the same turns. Everyone else in ``others`` counts
-    at its stage, at its rate. Ties are
-    broken by a generator seeded with the chooser's id, so a pick does not change when a
-    tied stage that was not picked drops out, and every member of the group computes the
-    same turns.
+    after us and are not counted. In a turn a joiner counts as a typical replica
+    (``fill_unknown``): its rate is a start-up benchmark, published as a figure seconds old,
+    and every member of the group must compute the same turns. Everyone else in ``others``
+    counts at its stage, at its rate. Ties go by an order drawn from the chooser's id
+    (``swarm.assignment.first_drawn``), so a pick stays when a tied stage it did not pick
+    drops out.
 
     Only the joiners announced on our own stage are ordered: they are the ones we always
     hold records of (with neighbourhood tables a far stage is known by its summary, which

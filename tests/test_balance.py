@@ -68,7 +68,7 @@ def test_join_ties_are_broken_at_random() -> None:
 
 def test_a_tie_keeps_its_pick_when_another_tied_stage_drops_out() -> None:
     # nodes deciding a moment apart see one tied stage fewer or more: a joiner's pick among
-    # ties must not change with the stages it did not pick (``settle_joins`` relies on it)
+    # ties must not change with the stages it did not pick (``settle_join`` relies on it)
     for seed in range(40):
         first = join_stage(swarm([], [], []), 4, random.Random(seed))
         for other in {1, 2, 3} - {first}:
