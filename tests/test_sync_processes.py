@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,10 @@ def kill(s: LocalSwarm, address: str) -> None:
 
 
 def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
-    """Head, 3 replicas of stage 1, stage 2: the mean RMS distance between partners' slow
-    weights at exchange time (same round) over the second half of ``rounds`` outer rounds."""
+    """Head, 3 replicas of stage 1, stage 2: the median RMS distance between partners' slow
+    weights at exchange time (same round) over the second half of ``rounds`` outer rounds.
+    The median, not the mean: a replica paired after a few solo rounds reads a spike (3x
+    the rounds around it) that a mean over eight rounds carries."""
     s = LocalSwarm(tmp_path / f"g{gamma}", {**BASE, "sync.gamma": gamma})
     s.log_dir.mkdir()
     try:
@@ -74,14 +77,18 @@ def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
         assert paired >= rounds, paired  # most rounds found a partner
         late = [d for st in stats for r, d in st["spread_history"] if rounds // 2 <= r < rounds]
         assert late, stats
-        return sum(late) / len(late)
+        return statistics.median(late)
     finally:
         s.stop(grace_s=5)
 
 
 def test_noloco_pull_term_keeps_replicas_closer(tmp_path: Path) -> None:
-    with_pull = run_three_replicas(tmp_path, "0.7", rounds=16)
-    without = run_three_replicas(tmp_path, "0.0", rounds=16)
+    """Without the pull the partners' distance grows as a random walk, with it it levels
+    off; 20 rounds let the two part clearly. Four probe runs here read the ratio (medians)
+    0.27, 0.37, 0.15 and 0.37 at 20 rounds; at 16 rounds, as means, 0.30 to 0.57 here and
+    1.04 once in CI (with pull 9.9e-3, without 9.5e-3, the lowest without-pull reading seen)."""
+    with_pull = run_three_replicas(tmp_path, "0.7", rounds=20)
+    without = run_three_replicas(tmp_path, "0.0", rounds=20)
     print(f"late-round partner spread: with pull {with_pull:.3e}, without {without:.3e}")
     assert with_pull < 0.8 * without, (with_pull, without)
 
