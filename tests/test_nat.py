@@ -274,3 +274,53 @@ def test_with_no_relay_a_node_behind_nat_knows_it_is_unreachable_and_takes_no_st
         for out in logs:
             out.close()
         show_logs(tmp_path, ["head", "block", "natted"])
+
+
+def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
+    netns_lab: Callable[[int], Lab],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Four ``--stage auto`` volunteers behind four home routers start at once, with a
+    public head as the only relay. Each learns it cannot be dialled, attaches to the head,
+    and only then announces a stage; the announcements of its fellow joiners reach it only
+    through the head (pushed over their relay links), later than on a LAN. The join's turns
+    (``swarm.balance.settle_join``) must still see them: two on each block stage. And each
+    must learn it is NATed before it serves, though the first peers it asks to dial it back
+    may be NATed joiners nobody can reach (``node.services.reachability``)."""
+    lab = netns_lab(1)
+    (public_head,) = lab.hosts
+    natted = [lab.add_natted() for _ in range(4)]
+    swarm = f"nat-{secrets.token_hex(3)}"
+    head = f"{public_head.address}:{PORT}"
+    two = ("swarm.num_block_stages=2", "sync.round_s=8")
+    logs = [join(public_head, "0", None, tmp_path / "head.log", swarm, two)]
+    names = ["head", *(f"natted{k}" for k in range(4))]
+    try:
+        wait_for(lambda: status_of(public_head)["stage"] == 0, 60, "the head (the bootstrap)")
+        logs += [
+            join(host, "auto", head, tmp_path / f"natted{k}.log", swarm, two)
+            for k, host in enumerate(natted)
+        ]
+        sts = [
+            wait_for(lambda h=host: (s := status_of(h))["ready"] and s, 180, "a NATed joiner")
+            for host in natted
+        ]
+        assert all(s["reachability"]["state"] == "relayed" for s in sts)
+        stages = sorted(s["stage"] for s in sts)
+        print("stages taken:", stages)
+        assert stages == [1, 1, 2, 2], stages
+        for k in range(4):
+            text = (tmp_path / f"natted{k}.log").read_text(errors="replace")
+            assert "stage auto: joining stage" in text
+            # it served only once relayed: asked first only NATed joiners like itself
+            # (records with no relays yet, that nobody can dial), a node took the silence
+            # for "nobody to ask" and served announced as direct, unreachable for 30 s
+            relayed, serving = text.find("reachability: relayed"), text.find("serving stage")
+            assert 0 <= relayed < serving, text[-3000:]
+        wait_for(lambda: completed(public_head) >= 10, 120, "10 microbatches through the relay")
+        assert sorted(status_of(h)["stage"] for h in natted) == [1, 1, 2, 2]  # nobody moved
+    finally:
+        lab.close()
+        for out in logs:
+            out.close()
+        show_logs(tmp_path, names)

@@ -172,3 +172,51 @@ async def test_peers_dialled_directly_are_asked_before_relayed_ones(nodes: Any) 
         a.reachability.state = "unknown"
         assert await a.reachability.check() == "direct"
         assert a.status()["reachability"]["checked_by"] == [b.peer_id]
+
+
+async def test_a_peer_that_does_not_answer_is_replaced_by_the_next(nodes: Any) -> None:
+    """Volunteers who have just joined from behind NATs look direct (no relays yet) and
+    nobody can reach them: asking two of them left a NATed joiner ``unknown``, and it took a
+    stage announced as direct that nobody could dial (seen with four NATed joiners). A peer
+    that does not answer is replaced by the next candidate."""
+    from protocol.messages import PeerRecord
+
+    a, b = await nodes(), await nodes()
+    introduce(a, b)
+    for k in range(4):
+        silent = PeerRecord(peer_id=f"{k}" * 16, address=dead_address(), stage=-1)
+        a.table.observe(silent, a.clock.now())
+    for _ in range(6):  # b answers every time, not two times in five
+        a.reachability.state = "unknown"
+        assert await a.reachability.check() == "direct"
+        assert a.status()["reachability"]["checked_by"] == [b.peer_id]
+        assert not a.reachability.unanswered
+
+
+async def test_a_joining_node_nobody_answers_asks_again_before_it_serves(nodes: Any) -> None:
+    """Peers known but none answering is not the first node's "nobody to ask": the join
+    waits and asks again (here a peer that answers comes meanwhile), and serves unverified
+    only after ``UNANSWERED_TRIES`` checks."""
+    import asyncio
+
+    from node.services.reachability import UNANSWERED_TRIES
+    from protocol.messages import PeerRecord
+
+    a = await nodes(**{"net.reachability_retry_s": 0.3})
+    b = await nodes()
+    silent = PeerRecord(peer_id="d" * 16, address=dead_address(), stage=-1)
+    a.table.observe(silent, a.clock.now())
+    waiting = asyncio.ensure_future(a.reachability.until_servable(lambda: None))
+    while not a.reachability.unanswered:
+        await asyncio.sleep(0.01)
+    assert not waiting.done()  # an unanswered check does not let it serve
+    introduce(a, b)
+    await asyncio.wait_for(waiting, 10)
+    assert a.reachability.state == "direct"
+
+    c = await nodes(**{"net.reachability_retry_s": 0.1})
+    c.table.observe(silent, c.clock.now())
+    t0 = asyncio.get_running_loop().time()
+    await asyncio.wait_for(c.reachability.until_servable(lambda: None), 10)
+    assert c.reachability.state == "unknown" and c.reachability.unanswered
+    assert asyncio.get_running_loop().time() - t0 >= 0.1 * (UNANSWERED_TRIES - 1)

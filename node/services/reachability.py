@@ -11,9 +11,13 @@ way: peers dial back). This module owns both sides of the check:
   ``unreachable`` when peers answered and none could connect, and ``unknown`` while there
   is nobody to ask (the swarm's first node) or nobody answered. A peer that does not answer
   says nothing about this node, so a check nobody answered leaves an earlier verdict about
-  the same address as it was. Peers that are dialled directly are asked first: a relayed
-  one refuses dial-backs (the asker's host would be only its relay's word). The verdict,
-  with one line of advice, is logged, shown by ``node status`` and exported as a metric.
+  the same address as it was; one whose peer does not answer asks the next candidate
+  instead, up to ``MAX_ASKED`` peers. Peers that are dialled directly are asked first (a
+  relayed one refuses dial-backs: the asker's host would be only its relay's word), and of
+  them those serving a stage (they passed this check themselves), since a volunteer that
+  has just joined may sit behind a NAT it has not found yet, and nobody can reach it to ask.
+  The verdict, with one line of advice, is logged, shown by ``node status`` and exported as
+  a metric.
 - **answering.** A peer's ``DialBack`` is dialled back only at the host its request came
   from, so nobody can make this node connect anywhere else (a host that announces another
   address than it connects from is behind a NAT, and is told so without a dial); at most
@@ -27,7 +31,9 @@ way: peers dial back). This module owns both sides of the check:
   ``net.relays`` of them, replaces one that dies and finds one again after losing all.
   ``net.force_relay`` skips the check. A node ``unreachable`` with no relay is not
   servable: ``until_servable`` holds its join (no stage), trying again every
-  ``net.reachability_retry_s``. A relay-only node (``--stage relay``) only checks.
+  ``net.reachability_retry_s``. Nor is one whose check no peer answered: it asks again up
+  to ``UNANSWERED_TRIES`` times before it serves unverified (the swarm's first node, with
+  nobody to ask, serves at once). A relay-only node (``--stage relay``) only checks.
 """
 
 from __future__ import annotations
@@ -49,7 +55,14 @@ from swarm.seams import Refused, TransportError
 log = logging.getLogger(__name__)
 
 NUM_ASKED = 2
-"""Peers asked to dial back in one check."""
+"""Peers whose answers make one check."""
+MAX_ASKED = 6
+"""Peers asked at most in one check, when those asked first do not answer."""
+UNANSWERED_TRIES = 3
+"""Checks nobody answered before a joining node serves unverified (``until_servable``)."""
+RECHECK_UNANSWERED_S = 5.0
+"""How soon a joining node asks again after a check nobody answered (at most
+``net.reachability_retry_s``)."""
 DIAL_TIMEOUT_S = 3.0
 """How long a dial-back may take (a connection and one small request)."""
 MAX_DIALS = 4
@@ -75,6 +88,8 @@ class ReachabilityService:
         self.detail = "not checked yet"
         self.checked_by: list[str] = []
         self.checked_at: float | None = None
+        self.unanswered = False
+        """Whether the last check asked peers and none of them answered."""
         self._nonces: dict[str, bool] = {}
         """Nonces of this node's checks in flight -> whether a dial-back brought it here."""
         self._dials = 0
@@ -93,10 +108,26 @@ class ReachabilityService:
             return
         if not net.check_reachability:
             return
-        while await self.check() == UNREACHABLE:
-            if net.relays and await self._relay():
+        unanswered = 0
+        while True:
+            state = await self.check()
+            if state == DIRECT or (state == UNKNOWN and not self.unanswered):
+                return  # dialled back, or the swarm's first node: nobody to ask
+            if state == UNREACHABLE and net.relays and await self._relay():
                 return
-            await asyncio.sleep(net.reachability_retry_s)
+            wait = net.reachability_retry_s
+            if state == UNKNOWN:  # peers known, none answered: they may be NATed joiners too
+                unanswered += 1
+                if unanswered >= UNANSWERED_TRIES:
+                    log.warning(
+                        "reachability: no peer answered %d checks; serving unverified "
+                        "(checking again every %.0f s)",
+                        unanswered,
+                        RECHECK_UNKNOWN_S,
+                    )
+                    return
+                wait = min(wait, RECHECK_UNANSWERED_S)
+            await asyncio.sleep(wait)
             adopt_observed()
 
     async def keep(self) -> None:
@@ -126,25 +157,39 @@ class ReachabilityService:
         address = ctx.state.address
         peers = [p for p in ctx.table.records() if p.address and not p.leaving]
         ctx.rng.shuffle(peers)
-        peers.sort(key=lambda p: bool(p.relays))  # stable: at random among the direct ones
-        asked = peers[:NUM_ASKED]
-        if not asked:
+        # stable: at random among the direct ones serving a stage, then the other direct ones
+        peers.sort(key=lambda p: (bool(p.relays), not p.ready))
+        candidates = peers[:MAX_ASKED]
+        self.unanswered = bool(candidates)
+        if not candidates:
             self._settle(UNKNOWN, address, [], "no peer to ask yet")
             return self.state
-        results = await asyncio.gather(*(self._ask(p, address) for p in asked))
-        verdicts = {p.peer_id: v for p, (v, _) in zip(asked, results, strict=True)}
-        reached = [pid for pid, v in verdicts.items() if v is True]
-        refused = [pid for pid, v in verdicts.items() if v is False]
+        answers: list[tuple[str, bool, str]] = []  # (peer id, reached, why)
+        silent: list[str] = []  # why each peer that did not answer did not
+        while candidates and len(answers) < NUM_ASKED:
+            wave, candidates = (
+                candidates[: NUM_ASKED - len(answers)],
+                candidates[NUM_ASKED - len(answers) :],
+            )
+            for p, (v, why) in zip(
+                wave, await asyncio.gather(*(self._ask(p, address) for p in wave)), strict=True
+            ):
+                if v is None:
+                    silent.append(why)
+                else:
+                    answers.append((p.peer_id, v, why))
+        self.unanswered = not answers
+        reached = [pid for pid, v, _ in answers if v]
+        refused = [(pid, why) for pid, v, why in answers if not v]
         if reached:
             self._settle(DIRECT, address, reached, f"dialled back by {len(reached)} peer(s)")
         elif refused:
-            why = next(d for v, d in results if v is False)
-            self._settle(UNREACHABLE, address, refused, why)
+            self._settle(UNREACHABLE, address, [pid for pid, _ in refused], refused[0][1])
         elif address == self.checked_address and self.state != UNKNOWN:
             self.checked_at = time.monotonic()  # nobody answered: the last verdict stands
-            log.debug("reachability check unanswered, still %s: %s", self.state, results[0][1])
+            log.debug("reachability check unanswered, still %s: %s", self.state, silent[0])
         else:
-            self._settle(UNKNOWN, address, [], results[0][1])
+            self._settle(UNKNOWN, address, [], silent[0])
         return self.state
 
     def due(self, address: str) -> bool:
