@@ -786,6 +786,21 @@ class MembershipService:
         members = sorted(r.address for r in self.table.records() if not r.relays and r.address)
         return self.rng.choice(members) if members else None
 
+    async def refresh(self, tries: int = 3) -> bool:
+        """Exchange whole tables now with a member that can be dialled (one serving a stage
+        first), as the anti-entropy rounds do every ``sync_s``: for a decision that must see
+        the swarm as it is, not as the news that happened to reach this node (a joiner
+        choosing its stage). A node nobody could dial until its relay came missed the news
+        pushed meanwhile, and a quiet swarm repeats none. False if none of ``tries``
+        members answered."""
+        members = [r for r in self.table.records() if r.address and not r.relays]
+        self.rng.shuffle(members)
+        members.sort(key=lambda r: (r.leaving, not r.ready))  # stable: at random within
+        for record in members[:tries]:
+            if await self.contact(record.address):
+                return True
+        return False
+
     async def _sync(self, address: str) -> None:
         """Exchange whole tables with a member (anti-entropy): what either side missed of
         the news is merged, not spread again (the other nodes exchange tables too)."""

@@ -88,14 +88,15 @@ async def test_on_one_announced_stage_the_lower_id_goes_first(joiner: Node) -> N
 async def test_a_peer_that_keeps_changing_its_announcement_delays_a_join_boundedly(
     joiner: Node,
 ) -> None:
-    """A hostile (or broken) peer announcing a new stage every 0.1 s restarts every quiet
-    spell; each spell is capped at three times ``settle_s`` and the rounds at
-    ``SETTLE_ROUNDS``, so the join still goes ahead."""
+    """A hostile (or broken) peer announcing a new stage under a new id every 0.1 s
+    restarts every quiet spell (flipping between two stages under one id restarts it only
+    until both are seen); each spell is capped at three times ``settle_s`` and the rounds
+    at ``SETTLE_ROUNDS``, so the join still goes ahead."""
 
     async def flip() -> None:
         version = 1
         while True:
-            announce(joiner, 1 + version % 2, version)
+            announce(joiner, 1 + version % 2, version, peer_id=f"{version:016x}")
             version += 1
             await asyncio.sleep(0.1)
 

@@ -779,3 +779,26 @@ async def test_a_greeting_tells_of_its_senders_own_stage_only() -> None:
     assert (view[4].replicas, view[4].contact) == (9, "")
     assert view[3].replicas == 1 and view[5].replicas == 1  # the others: as relayed before
     await sw.close()
+
+
+async def test_refresh_brings_a_join_the_news_never_brought_at_once() -> None:
+    """A joiner choosing its stage must see the swarm as it is: a member that missed a
+    join's news (it could not be reached when it was pushed) has it after ``refresh``, long
+    before its next table exchange; a member that cannot be dialled is not asked."""
+    sw, nodes = await joined(4)
+    natted = nodes[3].self_record().address
+    cut = [True]
+    real = sw.net.reachable
+    sw.net.reachable = lambda src, dst: (  # type: ignore[method-assign]
+        real(src, dst) and not (cut[0] and (src == natted or dst == natted))
+    )
+    late = sw.add(4)
+    late.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(3.0)
+    assert "p4" not in nodes[3].table
+    cut[0] = False
+    refreshing = asyncio.ensure_future(nodes[3].refresh())
+    await sw.run_for(0.1)  # virtual time: a few round trips of 10 ms
+    assert refreshing.done() and refreshing.result()
+    assert "p4" in nodes[3].table  # its next table exchange is due in sync_s (30 s)
+    await sw.close()

@@ -317,8 +317,7 @@ def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
             # for "nobody to ask" and served announced as direct, unreachable for 30 s
             relayed, serving = text.find("reachability: relayed"), text.find("serving stage")
             assert 0 <= relayed < serving, text[-3000:]
-        wait_for(lambda: completed(public_head) >= 10, 120, "10 microbatches through the relay")
-        assert sorted(status_of(h)["stage"] for h in natted) == [1, 1, 2, 2]  # nobody moved
+        wait_for(lambda: completed(public_head) >= 1, 120, "a microbatch through the relays")
     finally:
         lab.close()
         for out in logs:

@@ -11,8 +11,9 @@ way: peers dial back). This module owns both sides of the check:
   ``unreachable`` when peers answered and none could connect, and ``unknown`` while there
   is nobody to ask (the swarm's first node) or nobody answered. A peer that does not answer
   says nothing about this node, so a check nobody answered leaves an earlier verdict about
-  the same address as it was; one whose peer does not answer asks the next candidate
-  instead, up to ``MAX_ASKED`` peers. Peers that are dialled directly are asked first (a
+  the same address as it was; a check none of whose peers answered asks the next
+  ``NUM_ASKED`` candidates, up to ``MAX_ASKED`` peers (each silent one costs the request's
+  timeout, so a check that has an answer looks no further). Peers that are dialled directly are asked first (a
   relayed one refuses dial-backs: the asker's host would be only its relay's word), and of
   them those serving a stage (they passed this check themselves), since a volunteer that
   has just joined may sit behind a NAT it has not found yet, and nobody can reach it to ask.
@@ -55,7 +56,7 @@ from swarm.seams import Refused, TransportError
 log = logging.getLogger(__name__)
 
 NUM_ASKED = 2
-"""Peers whose answers make one check."""
+"""Peers asked at once in one check."""
 MAX_ASKED = 6
 """Peers asked at most in one check, when those asked first do not answer."""
 UNANSWERED_TRIES = 3
@@ -166,11 +167,8 @@ class ReachabilityService:
             return self.state
         answers: list[tuple[str, bool, str]] = []  # (peer id, reached, why)
         silent: list[str] = []  # why each peer that did not answer did not
-        while candidates and len(answers) < NUM_ASKED:
-            wave, candidates = (
-                candidates[: NUM_ASKED - len(answers)],
-                candidates[NUM_ASKED - len(answers) :],
-            )
+        while candidates and not answers:  # one answer is a verdict; seek no second one
+            wave, candidates = candidates[:NUM_ASKED], candidates[NUM_ASKED:]
             for p, (v, why) in zip(
                 wave, await asyncio.gather(*(self._ask(p, address) for p in wave)), strict=True
             ):
