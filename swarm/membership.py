@@ -108,7 +108,7 @@ from protocol.messages import (
     Welcome,
     expect,
 )
-from swarm.peers import NEW, PeerTable
+from swarm.peers import NEW, PeerTable, dialled_first
 from swarm.seams import Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -793,9 +793,7 @@ class MembershipService:
         choosing its stage). A node nobody could dial until its relay came missed the news
         pushed meanwhile, and a quiet swarm repeats none. False if none of ``tries``
         members answered."""
-        members = [r for r in self.table.records() if r.address and not r.relays]
-        self.rng.shuffle(members)
-        members.sort(key=lambda r: (r.leaving, not r.ready))  # stable: at random within
+        members = [r for r in dialled_first(self.table.records(), self.rng) if not r.relays]
         for record in members[:tries]:
             if await self.contact(record.address):
                 return True

@@ -24,6 +24,7 @@ probe reaches.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -231,6 +232,17 @@ class PeerTable:
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._entries
+
+
+def dialled_first(records: Iterable[PeerRecord], rng: random.Random) -> list[PeerRecord]:
+    """Members to ask something of, most likely to answer first: those serving a stage and
+    dialled directly (they passed a reachability check), then the other direct ones (a
+    fresh joiner may sit behind a NAT it has not found yet), then the relayed; at random
+    within each. Leaving members and those with no address are left out."""
+    out = [r for r in records if r.address and not r.leaving]
+    rng.shuffle(out)
+    out.sort(key=lambda r: (bool(r.relays), not r.ready))  # stable: at random within
+    return out
 
 
 def stand_ins(summary: StageSummary) -> list[PeerRecord]:

@@ -13,10 +13,11 @@ way: peers dial back). This module owns both sides of the check:
   says nothing about this node, so a check nobody answered leaves an earlier verdict about
   the same address as it was; a check none of whose peers answered asks the next
   ``NUM_ASKED`` candidates, up to ``MAX_ASKED`` peers (each silent one costs the request's
-  timeout, so a check that has an answer looks no further). Peers that are dialled directly are asked first (a
-  relayed one refuses dial-backs: the asker's host would be only its relay's word), and of
-  them those serving a stage (they passed this check themselves), since a volunteer that
-  has just joined may sit behind a NAT it has not found yet, and nobody can reach it to ask.
+  timeout, so a check that has an answer looks no further). Peers are asked in
+  ``swarm.peers.dialled_first`` order: direct ones serving a stage (they passed this check
+  themselves), then other direct ones (a volunteer that has just joined may sit behind a
+  NAT it has not found yet, and nobody can reach it to ask), then relayed ones, which
+  refuse dial-backs (the asker's host would be only its relay's word).
   The verdict, with one line of advice, is logged, shown by ``node status`` and exported as
   a metric.
 - **answering.** A peer's ``DialBack`` is dialled back only at the host its request came
@@ -51,6 +52,7 @@ from node.context import NodeContext
 from node.net.addresses import DIRECT, RELAYED, UNKNOWN, UNREACHABLE
 from node.net.relay import RelayClient
 from protocol.messages import Ack, DialBack, DialBackResult, DialProbe, PeerRecord, expect
+from swarm.peers import dialled_first
 from swarm.seams import Refused, TransportError
 
 log = logging.getLogger(__name__)
@@ -156,11 +158,7 @@ class ReachabilityService:
         """Ask peers to dial this node back at its announced address; returns the state."""
         ctx = self.ctx
         address = ctx.state.address
-        peers = [p for p in ctx.table.records() if p.address and not p.leaving]
-        ctx.rng.shuffle(peers)
-        # stable: at random among the direct ones serving a stage, then the other direct ones
-        peers.sort(key=lambda p: (bool(p.relays), not p.ready))
-        candidates = peers[:MAX_ASKED]
+        candidates = dialled_first(ctx.table.records(), ctx.rng)[:MAX_ASKED]
         self.unanswered = bool(candidates)
         if not candidates:
             self._settle(UNKNOWN, address, [], "no peer to ask yet")
