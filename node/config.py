@@ -26,6 +26,7 @@ from typing import Any, Literal
 from node.data.dataset import DataConfig
 from node.stage.model import ModelConfig, preset
 from protocol.quant import Codec
+from swarm.balance import TRANSIT_LIMIT_S
 from swarm.membership import MembershipConfig
 from swarm.recovery import RecoveryMethod
 
@@ -357,6 +358,9 @@ class BalanceConfig:
     """A node considers moving only after serving its stage this long (a measured rate)."""
     benchmark_s: float = 1.0
     """Seconds of start-up benchmark of one block stage (cached in the state dir); 0: skip."""
+    transit_limit_s: float = TRANSIT_LIMIT_S
+    """How long rebalancing and refills wait for a block replica that is joining or moving
+    (its record not ready); past it the replica is not waited for (``swarm.balance.Transit``)."""
 
 
 @dataclass(frozen=True)
@@ -525,6 +529,10 @@ def _validate(c: Config) -> None:
     if c.recovery.method == "checkfree+" and c.swarm.num_block_stages < 4:
         raise ValueError(
             "recovery.method checkfree+ needs at least 4 block stages (swarm.num_block_stages)"
+        )
+    if c.balance.transit_limit_s <= 0:
+        raise ValueError(
+            f"balance.transit_limit_s must be positive, got {c.balance.transit_limit_s}"
         )
     if not 0 < c.balance.quality <= 1:
         raise ValueError(f"balance.quality must be in (0, 1], got {c.balance.quality}")

@@ -155,10 +155,14 @@ class Node:
             not net.force_relay and self.reachability.state in (DIRECT, UNKNOWN)
         )
         self.http.routes = RelayRoutes(self.relay_hub, self.table.records).route
-        self.recovery = RecoveryService(
-            self.ctx, states=self.states, record=self.record, move_to=self.move_to
-        )
         self.balancer = Balancer(self.ctx, record=self.record, move_to=self.move_to)
+        self.recovery = RecoveryService(
+            self.ctx,
+            states=self.states,
+            record=self.record,
+            move_to=self.move_to,
+            in_transit=self.balancer.in_transit,
+        )
         self.work = WorkQueue(self.ctx, after_job=self._after_job)
         self.hops = HopSender(self.ctx)
         self.role: StageRole | None = None

@@ -44,6 +44,7 @@ import statistics
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from protocol.messages import PeerRecord
 from swarm.assignment import first_drawn
 
 EPS = 1e-3
@@ -293,3 +294,48 @@ class MoveLock:
         """The node took another stage: a new stage, a new lock state."""
         self.wanting = self.moving = False
         self.let_go.clear()
+
+
+TRANSIT_LIMIT_S = 300.0
+"""How long a block replica that is not ready is waited for (``Transit``). An honest one is
+ready well within it: meeting its new neighbourhood (two membership TTLs), one state
+transfer (a minute at most per source tried) and, for a move, draining first."""
+
+
+class Transit:
+    """Which block replicas the planners wait for: those joining or moving (their records
+    not ready), each for at most ``limit_s`` from when this node first saw it so.
+
+    Owns, per replica not ready now (its peer id, incarnation and stage), when it was first
+    seen not ready; a replica seen ready, or gone, is forgotten, so a later move waits
+    afresh. Does not own the records (the caller passes the swarm as it reads it now) nor
+    what waiting means (``node.services``: no rebalancing and no refill while one is).
+
+    Why a limit: a record says only what its peer publishes. A peer stuck while joining, or
+    one that heartbeats "not ready" on purpose, would otherwise hold every rebalancing move
+    and every refill of an empty stage, swarm-wide, for as long as it stays. Past the limit
+    it is not waited for (``overdue``); it still counts nowhere as a ready replica.
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.since: dict[tuple[str, int, int], float] = {}
+        """(peer id, incarnation, stage) -> when first seen not ready, for those not ready now."""
+
+    def waiting(self, records: Iterable[PeerRecord], now: float) -> list[PeerRecord]:
+        """The block replicas of ``records`` to wait for now: not ready, not leaving, and
+        first seen so less than ``limit_s`` ago (a record seen for the first time: now)."""
+        pending = [r for r in records if r.stage > 0 and not r.ready and not r.leaving]
+        since = {}
+        for r in pending:
+            key = (r.peer_id, r.incarnation, r.stage)
+            since[key] = self.since.get(key, now)
+        self.since = since
+        return [
+            r for r in pending if now - since[(r.peer_id, r.incarnation, r.stage)] < self.limit_s
+        ]
+
+    def overdue(self, now: float) -> list[tuple[str, int, int]]:
+        """The replicas not ready now that are no longer waited for: (peer id, incarnation,
+        stage), as of the last ``waiting``."""
+        return [key for key, t in self.since.items() if now - t >= self.limit_s]

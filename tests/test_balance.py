@@ -8,10 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from protocol.messages import PeerRecord
 from swarm.balance import (
     SETTLE_ROUNDS,
     Move,
     Replica,
+    Transit,
     fill_unknown,
     join_stage,
     plan_move,
@@ -339,3 +341,45 @@ def test_by_stage_never_names_a_replica_of_another_stage_than_the_source() -> No
     reps = swarm([10.0, 10.0], [2.0], [6.0, 6.0])
     reps = [Replica(r.peer_id, r.stage, r.rate, r.stage != 1) for r in reps]
     assert plan_move(reps, 4, by_stage=True) is None
+
+
+def rec(peer_id: str, stage: int, *, ready: bool = False, inc: int = 1) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, address="", stage=stage, ready=ready, incarnation=inc)
+
+
+def test_a_replica_not_ready_is_waited_for_until_the_limit_from_when_first_seen() -> None:
+    """Limit 100 s. "a" is seen not ready at t=0, "b" at t=50: at t=99 both are waited
+    for; at t=100 "a" is overdue and only "b" is; at t=150 neither. Head-stage records,
+    ready ones and leaving ones are never waited for."""
+    transit = Transit(100.0)
+    assert transit.waiting([rec("a", 1), rec("h", 0), rec("r", 2, ready=True)], 0.0) == [
+        rec("a", 1)
+    ]
+    gone = PeerRecord(peer_id="l", address="", stage=1, leaving=True)
+    assert [r.peer_id for r in transit.waiting([rec("a", 1), rec("b", 2), gone], 50.0)] == [
+        "a",
+        "b",
+    ]
+    assert [r.peer_id for r in transit.waiting([rec("a", 1), rec("b", 2)], 99.0)] == ["a", "b"]
+    assert [r.peer_id for r in transit.waiting([rec("a", 1), rec("b", 2)], 100.0)] == ["b"]
+    assert transit.overdue(100.0) == [("a", 1, 1)]
+    assert transit.waiting([rec("a", 1), rec("b", 2)], 150.0) == []
+    assert sorted(transit.overdue(150.0)) == [("a", 1, 1), ("b", 1, 2)]
+
+
+def test_a_replica_that_was_ready_or_moved_since_is_waited_for_afresh() -> None:
+    """ "a" overdue at t=100 on stage 1; at t=110 it is ready (forgotten), at t=120 it moves
+    and is not ready on stage 2: waited for until t=220. "b" restarts (a new incarnation)
+    at t=130 and is waited for again; a record that vanished is forgotten."""
+    transit = Transit(100.0)
+    transit.waiting([rec("a", 1), rec("b", 1)], 0.0)
+    assert transit.waiting([rec("a", 1), rec("b", 1)], 100.0) == []
+    transit.waiting([rec("a", 1, ready=True), rec("b", 1)], 110.0)
+    assert transit.waiting([rec("a", 2), rec("b", 1)], 120.0) == [rec("a", 2)]
+    assert transit.waiting([rec("a", 2), rec("b", 1, inc=2)], 130.0) == [
+        rec("a", 2),
+        rec("b", 1, inc=2),
+    ]
+    assert transit.waiting([rec("a", 2)], 219.0) == [rec("a", 2)]
+    assert transit.since == {("a", 1, 2): 120.0}
+    assert transit.waiting([rec("a", 2)], 220.0) == []

@@ -10,6 +10,7 @@ and leave the node serving with its weights untouched.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable
@@ -401,3 +402,38 @@ async def test_a_move_request_to_nowhere_is_refused_and_a_replicas_is_answered(
     assert node.balancer.answers == {"granted": 1, "refused": 1}
     assert not node.balancer.lock.want(node.clock.now())
     assert node.state.serving
+
+
+async def test_a_peer_that_never_finishes_joining_holds_refills_only_until_the_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stranger says hello as a replica of stage 1 that is not ready, and heartbeats so.
+    Stage 2 is empty and this node, the lower id of stage 1's two ready replicas, is the
+    one to refill it; a refill waits while a replica joins (it may be the refill), but for
+    this one only ``balance.transit_limit_s``: then the node moves, and says why."""
+    caplog.set_level(logging.INFO)
+    limit_s = 2.0
+    node = await start_node(
+        "0000000000000011",
+        **{"recovery.refill_wait_s": 0.2, "balance.transit_limit_s": limit_s},
+    )
+    try:
+        stuck = PeerRecord(peer_id=STRANGER, address="127.0.0.1:9", stage=1, incarnation=1)
+        hello = Hello(
+            swarm=node.config.swarm.name, fingerprint=node.fingerprint, sender=stuck, peers=[]
+        )
+        assert (await post(node, hello))[0] == 200
+        start = node.clock.now()
+        while node.state.stage == 1 and node.clock.now() - start < limit_s + 3:
+            assert (await post(node, Ping(STRANGER, [stuck], [])))[0] == 200  # a heartbeat
+            waited = node.clock.now() - start
+            await node.recovery.check()
+            if node.state.stage == 1:
+                await asyncio.sleep(0.2)
+        assert node.state.stage == 2 and node.state.serving, node.recovery.empty_since
+        assert limit_s <= waited < limit_s + 1.0, waited  # not before the limit, soon after
+        assert node.counters["transit_overdue"] == 1
+        assert "no longer wait for it" in caplog.text and "stage 2 empty for" in caplog.text
+        assert node.table.get(STRANGER) == stuck  # still known, still not counted ready
+    finally:
+        await node.close()

@@ -14,7 +14,9 @@ Owns three things (policy in ``swarm.balance``, after Petals' block selection, a
   (records of the stages its table holds, stand-ins from summaries for the rest, in which
   case the plan picks the source stage from totals first) and moves if the plan names it: not before it has served its stage for ``balance.warmup_s``
   (its rate must be a measurement), not within ``balance.cooldown_s`` of its last move, and
-  not while any block replica is still joining or moving (their rates are not settled).
+  not while any block replica is still joining or moving (their rates are not settled), for
+  at most ``balance.transit_limit_s`` each (``swarm.balance.Transit``: a replica stuck,
+  or claiming to be, does not hold the swarm's moves and refills for good).
 - **Asking first.** Before it moves, a node the plan names asks each replica of the stage
   it leaves and of the stage it joins (``MoveRequest``) and goes only if all agree; it
   answers their requests the same way (``swarm.balance.MoveLock``: one replica at a time
@@ -40,7 +42,15 @@ from node.context import NodeContext
 from node.stage.speed import cached_or_measured_rate, with_delay
 from protocol.messages import MoveAnswer, MoveRequest, PeerRecord
 from swarm.assignment import choose_stage
-from swarm.balance import Move, MoveLock, Replica, join_stage, plan_move, settle_join
+from swarm.balance import (
+    Move,
+    MoveLock,
+    Replica,
+    Transit,
+    join_stage,
+    plan_move,
+    settle_join,
+)
 from swarm.seams import Refused, TransportError
 
 log = logging.getLogger(__name__)
@@ -73,6 +83,9 @@ class Balancer:
         self.last_plan: Move | None = None
         self.rng = random.Random(f"balance-{ctx.peer_id}")
         self.lock = MoveLock(ctx.peer_id)
+        self.transit = Transit(self.config.transit_limit_s)
+        self._overdue: set[tuple[str, int, int]] = set()
+        """Replicas logged as no longer waited for (each once)."""
 
     # ---- own speed ----------------------------------------------------------------------
 
@@ -143,6 +156,26 @@ class Balancer:
 
     # ---- rebalancing --------------------------------------------------------------------
 
+    def in_transit(self) -> int:
+        """Block replicas joining or moving that rebalancing and refills wait for now; one
+        not ready for ``balance.transit_limit_s`` is no longer waited for (logged once,
+        counted as ``transit_overdue``): it may be stuck, or saying so on purpose."""
+        ctx = self.ctx
+        now = ctx.clock.now()
+        waiting = self.transit.waiting([r for rs in ctx.everyone().values() for r in rs], now)
+        overdue = set(self.transit.overdue(now))
+        for peer_id, _, stage in sorted(overdue - self._overdue):
+            log.warning(
+                "stage %d: replica %s has not been ready for %.0fs; rebalancing and refills"
+                " no longer wait for it",
+                stage,
+                peer_id[:8],
+                self.config.transit_limit_s,
+            )
+            ctx.counters["transit_overdue"] += 1
+        self._overdue = overdue
+        return len(waiting)
+
     @property
     def movable(self) -> bool:
         return self.ctx.config.node.stage == "auto" and self.ctx.state.stage > 0
@@ -165,7 +198,7 @@ class Balancer:
             return None  # our own rate is still the estimate, not a measurement
         if self.last_move_s is not None and now - self.last_move_s < self.config.cooldown_s:
             return None
-        if any(not r.ready for s, rs in ctx.everyone().items() if s > 0 for r in rs):
+        if self.in_transit():
             return None  # someone is joining or moving: wait until their rates mean something
         plan = plan_move(
             self.replicas(ready_only=True),

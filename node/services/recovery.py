@@ -9,7 +9,7 @@ Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recover
   If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
   stage with the most replicas (never its last) moves there; every node computes the same
   answer from its table, so one node moves, and nobody while a block replica is joining or
-  moving (a refiller on its way). With neighbourhood tables only the stages that
+  moving (a refiller on its way; each waited for at most ``balance.transit_limit_s``). With neighbourhood tables only the stages that
   hold the empty one give (they see it empty in their tables; a far stage's summary could
   be made up by any member).
 - **Rebuild.** A node taking over a stage copies a live replica if there is one; otherwise
@@ -67,13 +67,16 @@ class RecoveryService:
         states: StateFetcher,
         record: Callable[[], PeerRecord],
         move_to: Callable[[int], Awaitable[None]],
+        in_transit: Callable[[], int],
     ) -> None:
         """``record()``: this node as peers see it; ``move_to(stage)``: leave this stage
-        for another (the daemon's)."""
+        for another (the daemon's); ``in_transit()``: block replicas joining or moving that
+        a refill waits for (the balancer's)."""
         self.ctx = ctx
         self.states = states
         self.record = record
         self.move_to = move_to
+        self.in_transit = in_transit
         self.config = ctx.config.recovery
         self.empty_since: dict[int, float] = {}
         self.recoveries: Counter[str] = Counter()
@@ -213,8 +216,7 @@ class RecoveryService:
             if not table.covers(stage):
                 continue  # known empty by a summary only: the stages that hold it refill it
             donors = {s for s in live if table.covers(stage, own=s)}
-            moving = sum(not r.ready for s, rs in ctx.everyone().items() if s > 0 for r in rs)
-            if choose_mover(stage, self.record(), live, donors, moving):
+            if choose_mover(stage, self.record(), live, donors, self.in_transit()):
                 log.warning(
                     "stage %d empty for %.0fs: moving there from stage %d",
                     stage,
