@@ -39,6 +39,9 @@ class Clock:
     def now(self) -> float:
         return self.t
 
+    def wall(self) -> float:
+        return 1_800_000_000.0 + self.t
+
     async def sleep(self, seconds: float) -> None:
         self.t += seconds
 

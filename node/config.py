@@ -79,6 +79,9 @@ class NodeConfig:
     malloc_reuse: bool = True
     """Have glibc keep and reuse freed memory, so large frames do not pay for fresh pages
     (``node.allocator``); also MURMUR_MALLOC_REUSE=0 to turn it off."""
+    debug_clock_skew_s: float = 0.0
+    """Seconds added to this node's wall clock (tests and benchmarks: a volunteer whose clock
+    is wrong; outer rounds follow the stage's clock all the same: ``swarm.schedule``)."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,8 @@ class SyncConfig:
     """When outer rounds happen (noloco, diloco): clock (on a wall-clock grid shared by the
     stage's replicas, so replicas of unequal speed still pair; a faster one takes more inner
     steps per round) or steps (every H inner steps of each replica, as in the papers'
-    lockstep code: unequal replicas stop pairing). Clocks must agree to within sync.hold_s."""
+    lockstep code: unequal replicas stop pairing). The grid lies on the stage's clock, the
+    median of its replicas' wall clocks as measured on membership pings (``swarm.schedule``)."""
     scale_by_steps: bool = True
     """NoLoCo on the clock schedule: take a pair's mean pseudo-gradient as its pooled
     displacement per inner step times the stage's usual steps per round (at most 4x), so

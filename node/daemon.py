@@ -81,7 +81,7 @@ class Node:
         )
         self.started_s = time.monotonic()
         self.state = NodeState()
-        self.clock = MonotonicClock()
+        self.clock = MonotonicClock(config.node.debug_clock_skew_s)
         self.rng = random.Random(self.peer_id)
         limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
         self.http = HttpTransport(limits, self.auth)
@@ -498,7 +498,12 @@ class Node:
         if not await self._copy_state(runner) and trained:
             # The swarm has trained and this stage has no replica left: it was lost.
             await self.recovery.rebuild(stage)
-        self.sync = StageSync(self.ctx, runner, self.guard)
+        self.sync = StageSync(
+            self.ctx,
+            runner,
+            self.guard,
+            clock_offset=lambda: self.membership.stage_offset_s(stage),
+        )
         state.ready = True
         log.info("serving stage %d (step %d)", stage, runner.step)
 

@@ -68,6 +68,9 @@ def format_status(st: dict[str, Any]) -> str:
         per = sync["seconds_sum"] / sync["seconds_count"] if sync["seconds_count"] else 0.0
         spread = "-" if sync.get("spread_rms") is None else f"{sync['spread_rms']:.2e}"
         every = f" every {sync['round_s']:g}s" if sync.get("round_s") else ""
+        offset = sync.get("clock_offset_s") or 0.0
+        if abs(offset) >= 1.0:
+            every += f" of the stage's clock ({offset:+.1f}s from this machine's)"
         lines.append(
             f"  sync {sync['method']}{every}: {sync['outer_steps']} outer steps ({rounds}), "
             f"{per:.2f}s per round, spread to last partner {spread}, "

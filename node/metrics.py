@@ -468,6 +468,13 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
             "1 while an outer-step exchange runs.",
             float(bool(sync["in_progress"])),
         )
+    if "clock_offset_s" in sync:
+        yield _gauge(
+            "murmur_clock_offset_seconds",
+            "The stage's clock (the median of its replicas') minus this machine's wall clock, "
+            "as measured on membership pings; outer rounds follow the stage's clock.",
+            _num(sync["clock_offset_s"]),
+        )
     if sync.get("spread_rms") is not None:
         yield _gauge(
             "murmur_replica_spread_rms",

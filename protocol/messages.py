@@ -254,6 +254,13 @@ class Pong(Message):
     sender: PeerRecord | None = None
     news: list[PeerRecord] = field(default_factory=list)
     deaths: list[Obituary] = field(default_factory=list)
+    wall_ms: int = 0
+    """The replier's wall clock as it replied, milliseconds since the Unix epoch (0: not
+    said): the pinger estimates how far apart their clocks are (``swarm.schedule``)."""
+
+    def problem(self) -> str | None:
+        """A clock no honest replier reads, or None (decoding refuses it)."""
+        return _counter_problem(self, "wall_ms")
 
 
 @dataclass(frozen=True)

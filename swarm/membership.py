@@ -72,6 +72,11 @@ Protocol"), ``docs/algorithms.md`` section 11:
   ``arrive`` is how a node that took a stage meets its new neighbourhood before it copies
   weights. ``docs/algorithms.md`` section 11.
 
+- **Clocks.** Every ``Pong`` carries the replier's wall clock, so a pinger learns how far
+  each member's clock is from its own at no extra message (``swarm.schedule.ClockOffsets``);
+  ``stage_offset_s`` is what a replica adds to its clock to read its stage's, on which the
+  outer rounds' grid is laid.
+
 Departure from SWIM: there is no separate "suspect" state spread to others; the prober that
 misses a member keeps probing it, directly and through others, for ``ttl_s`` before it
 declares it gone, which buys the same protection against a slow node or a lossy path
@@ -109,6 +114,7 @@ from protocol.messages import (
     expect,
 )
 from swarm.peers import NEW, PeerTable, dialled_first
+from swarm.schedule import ClockOffsets
 from swarm.seams import Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -255,6 +261,8 @@ class MembershipService:
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._leaving = False
+        self.clocks = ClockOffsets()
+        """How far each member's wall clock is from ours, measured on our pings."""
 
     # -- this node's record --------------------------------------------------------------
 
@@ -749,6 +757,7 @@ class MembershipService:
         greet bootstrap, sighted and due buried addresses."""
         now = self.clock.now()
         self.table.forget_graves(now)
+        self.clocks.forget(r.peer_id for r in self.table.records())
         self._forget_met(now)
         self._refresh(now)
         target = self._next_target()
@@ -976,6 +985,7 @@ class MembershipService:
         """Ping a member; True if it answered (its news taken). The piggybacked ``news``
         the ping carries is given back if it did not."""
         timeout_s = self.config.probe_timeout_s if timeout_s is None else timeout_s
+        sent_s = self.clock.wall()
         try:
             pong = expect(await self._ask(record, msg, timeout_s), Pong)
         except (TransportError, ValueError) as e:
@@ -983,6 +993,8 @@ class MembershipService:
             self._unspend(news or [])
             return False
         now = self.clock.now()
+        if pong.wall_ms:
+            self.clocks.observe(record.peer_id, sent_s, pong.wall_ms / 1000, self.clock.wall(), now)
         if pong.sender is not None and pong.sender.peer_id == record.peer_id:
             self.table.observe(pong.sender, now, direct=True)
         self.table.heard_from(record.peer_id, now)
@@ -1184,7 +1196,11 @@ class MembershipService:
             grave = self.table.grave(ping.sender)
             own = [r.incarnation for r in ping.news if r.peer_id == ping.sender]
             if grave is not None and not (own and own[0] > grave):
-                return Pong(sender=self.current(), deaths=[Obituary(ping.sender, grave)])
+                return Pong(
+                    sender=self.current(),
+                    deaths=[Obituary(ping.sender, grave)],
+                    wall_ms=self._wall_ms(),
+                )
             if grave is None:
                 raise Refused(
                     "unknown_peer",
@@ -1206,7 +1222,17 @@ class MembershipService:
         stage = -1 if held is None else held.stage
         news, deaths = ([], []) if ping.pull else _split(self._piggyback(stage, heard=ping))
         sender = self.current() if ping.ask_record else None
-        return Pong(sender=sender, news=news, deaths=deaths)
+        return Pong(sender=sender, news=news, deaths=deaths, wall_ms=self._wall_ms())
+
+    def _wall_ms(self) -> int:
+        """Our wall clock for a ``Pong``, ms since the epoch."""
+        return max(0, round(self.clock.wall() * 1000))
+
+    def stage_offset_s(self, stage: int) -> float:
+        """What to add to this machine's wall clock to read ``stage``'s (the median of its
+        replicas' clocks, this one's included: ``swarm.schedule.ClockOffsets``)."""
+        peers = [r.peer_id for r in self.table.replicas(stage, ready_only=False)]
+        return self.clocks.stage_offset_s(peers, self.clock.now())
 
     async def handle_probe(self, probe: Probe) -> Pong:
         """Ping a member for a member whose own ping did not reach it."""

@@ -8,9 +8,17 @@ repeats the pattern, so a stage of unequal replicas ends every round solo and it
 drift apart for good. Here a round is a point in wall-clock time instead, the same for every
 replica of the stage: round boundaries are the multiples of a period ``P`` since the Unix
 epoch, and a round is named by its boundary in milliseconds. Every replica reaches boundary
-``k * P`` at the same moment (up to clock skew, which the gossip protocol's hold time
-absorbs), whatever its speed, so replicas pair; a faster replica simply takes more inner
-steps between two boundaries.
+``k * P`` at the same moment, whatever its speed, so replicas pair; a faster replica simply
+takes more inner steps between two boundaries.
+
+"The same moment" needs clocks that agree, and volunteers' clocks need not: a machine whose
+clock is a few seconds off (more than the gossip protocol's hold time) would reach every
+boundary alone, its requests held in vain or answered ``stale``, and step solo for good,
+as unequal replicas did on the step schedule. So the grid is laid on the *stage's clock*
+(``ClockOffsets``): each replica measures the others' clocks on the membership pings it
+sends anyway (NTP's on-wire estimate) and reads the median of its stage's clocks, its own
+included. Replicas that have measured one another read the same median, so they agree
+without electing a timekeeper, and one wrong clock among three or more moves only itself.
 
 Why it is still NoLoCo's rule: the outer step is applied exactly as published, to what each
 member has at the boundary: its slow weights ``phi`` and its pseudo-gradient ``theta - phi``
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from collections.abc import Iterable
 
 MIN_PERIOD_S = 4.0
@@ -78,3 +87,71 @@ def next_boundary(now_s: float, period_s: float, after_ms: int = -1) -> int:
     if boundary <= after_ms:
         boundary = (after_ms // period_ms + 1) * period_ms
     return boundary
+
+
+CLOCK_SAMPLES = 8
+"""Offset samples kept per peer; the one with the shortest round trip is used."""
+CLOCK_SAMPLE_TTL_S = 600.0
+"""A sample older than this is dropped (clocks drift, and a peer's clock may be reset)."""
+
+
+class ClockOffsets:
+    """How far other machines' wall clocks are from this one's, and the stage's clock.
+
+    Owns each peer's last ``CLOCK_SAMPLES`` offset samples. A sample comes from one request
+    and its reply: sent at ``t0`` and answered at ``t3`` by this clock, stamped ``t1`` by the
+    peer's, the peer's clock is ahead of this one by ``t1 - (t0 + t3) / 2``, give or take
+    half the round trip (NTP's on-wire estimate, RFC 5905); of a peer's samples the one with
+    the shortest round trip counts (NTP's clock filter: the least delayed is the least
+    wrong). Does not own the requests (``swarm.membership`` feeds it from its pings) nor
+    which peers form the stage (the caller names them).
+
+    ``stage_offset_s``: the median of the offsets of the named peers and of this machine
+    (0). A replica that has measured the others reads the median of the same set of clocks
+    as they do (the set, seen from another member, is shifted by that member's own offset),
+    so all agree on one clock, up to the samples' error; a lone wrong clock among three or
+    more replicas moves only itself, and of two replicas each moves halfway.
+    """
+
+    def __init__(self) -> None:
+        self._samples: dict[str, deque[tuple[float, float, float]]] = {}
+        """peer id -> (when taken, monotonic; round trip; offset), oldest first."""
+
+    def observe(
+        self, peer_id: str, sent_s: float, peer_s: float, received_s: float, now: float
+    ) -> None:
+        """A reply stamped ``peer_s`` by ``peer_id``'s wall clock to a request sent at
+        ``sent_s`` and answered at ``received_s`` by this one's; ``now``: monotonic."""
+        rtt = received_s - sent_s
+        if not (math.isfinite(peer_s) and rtt >= 0):
+            return  # this machine's clock was set meanwhile: the sample means nothing
+        samples = self._samples.setdefault(peer_id, deque(maxlen=CLOCK_SAMPLES))
+        samples.append((now, rtt, peer_s - (sent_s + received_s) / 2))
+
+    def offset_s(self, peer_id: str, now: float) -> float | None:
+        """How far ``peer_id``'s clock is ahead of this one (negative: behind), or None
+        without a sample younger than ``CLOCK_SAMPLE_TTL_S``."""
+        samples = self._samples.get(peer_id)
+        if samples is None:
+            return None
+        while samples and now - samples[0][0] > CLOCK_SAMPLE_TTL_S:
+            samples.popleft()
+        if not samples:
+            del self._samples[peer_id]
+            return None
+        return min(samples, key=lambda s: s[1])[2]
+
+    def stage_offset_s(self, peer_ids: Iterable[str], now: float) -> float:
+        """What to add to this machine's wall clock to read the stage's: the median of the
+        offsets of ``peer_ids`` (those measured) and this machine's own, 0."""
+        offsets = [0.0]
+        for peer_id in set(peer_ids):
+            offset = self.offset_s(peer_id, now)
+            if offset is not None:
+                offsets.append(offset)
+        return statistics.median(offsets)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the samples of peers not in ``keep`` (gone from the table)."""
+        kept = set(keep)
+        self._samples = {p: s for p, s in self._samples.items() if p in kept}

@@ -32,18 +32,28 @@ class Transport(Protocol):
 
 
 class Clock(Protocol):
-    """Monotonic time in seconds, and sleeping on it."""
+    """Monotonic time in seconds, and sleeping on it; and the wall clock, which only says
+    what time this machine believes it is (another's may differ: ``swarm.schedule``)."""
 
     def now(self) -> float: ...
+
+    def wall(self) -> float: ...
 
     async def sleep(self, seconds: float) -> None: ...
 
 
 class MonotonicClock:
-    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``; ``time.time`` plus
+    ``skew_s`` as the wall clock (a test's stand-in for a machine whose clock is wrong)."""
+
+    def __init__(self, skew_s: float = 0.0) -> None:
+        self.skew_s = skew_s
 
     def now(self) -> float:
         return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time() + self.skew_s
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)

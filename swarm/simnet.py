@@ -39,6 +39,10 @@ HTTP_OVERHEAD_BYTES = EXCHANGE_BYTES
 headers (about what aiohttp sends for ``POST /rpc``), TCP/IP headers left out."""
 
 
+SIM_EPOCH_S = 1_800_000_000.0
+"""What the virtual wall clock reads at virtual time 0 (a date in 2027)."""
+
+
 class SimClock:
     """Virtual time: ``sleep`` waits until ``run_until`` moves the clock past its deadline."""
 
@@ -49,6 +53,10 @@ class SimClock:
 
     def now(self) -> float:
         return self.t
+
+    def wall(self) -> float:
+        """Virtual wall time: every simulated node's clock agrees."""
+        return SIM_EPOCH_S + self.t
 
     async def sleep(self, seconds: float) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

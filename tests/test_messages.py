@@ -223,6 +223,7 @@ def test_a_refusal_says_where_the_bad_field_is(
             Pong(sender=PeerRecord("p", "a:1", 1, throughput=float("inf"))),
             "pong.sender: throughput inf is not a finite number >= 0",
         ),
+        (Pong(wall_ms=-5), "pong: wall_ms -5 is negative"),
         (
             Welcome("s", "f", PeerRecord("p", "a:1", 0, loss=float("nan")), [], "h"),
             "welcome.sender: loss nan is not finite",

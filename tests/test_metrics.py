@@ -106,6 +106,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_sync_promises_lapsed": ("counter", set()),
     "murmur_sync_places_clamped": ("counter", set()),
     "murmur_replica_spread_rms": ("gauge", set()),
+    "murmur_clock_offset_seconds": ("gauge", set()),
     "murmur_recoveries": ("counter", {"kind"}),
     "murmur_recovery_duration_seconds": ("summary", set()),
     "murmur_recovery_source_weight": ("gauge", {"source_stage"}),
@@ -206,6 +207,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "bytes_sent": 1_000_000,
             "bytes_received": 999_000,
             "spread_rms": 0.0125,
+            "clock_offset_s": -12.5,
             "last_partner": PEER_IDS[0],
             "in_progress": False,
         },
@@ -349,6 +351,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_sync_bytes_total", direction="received") == 999_000
     assert one("murmur_sync_duration_seconds_count") == 3
     assert one("murmur_replica_spread_rms") == 0.0125
+    assert one("murmur_clock_offset_seconds") == -12.5
     assert one("murmur_recoveries_total", kind="checkfree") == 1
     assert one("murmur_recovery_duration_seconds_sum") == 4.0
     assert one("murmur_recovery_source_weight", source_stage="3") == 0.75

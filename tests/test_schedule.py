@@ -2,7 +2,13 @@
 
 import pytest
 
-from swarm.schedule import next_boundary, power_of_two_at_least, round_period
+from swarm.schedule import (
+    CLOCK_SAMPLE_TTL_S,
+    ClockOffsets,
+    next_boundary,
+    power_of_two_at_least,
+    round_period,
+)
 
 
 def test_power_of_two_at_least() -> None:
@@ -69,3 +75,56 @@ def test_a_replica_catches_up_with_the_latest_clock_round_a_partner_is_in() -> N
     assert _newer_clock_round(held, 1, 1_000_000, now) is None
     assert _newer_clock_round(["diloco:1:1001000"], 1, 996_000, now) == 1_001_000  # skew
     assert _newer_clock_round([], 1, 996_000, now) is None
+
+
+def test_an_offset_is_the_peers_reading_minus_the_midpoint_of_the_round_trip() -> None:
+    """Sent at 100.0 and answered at 100.4 by our clock, stamped 110.3 by the peer's: the
+    peer is 110.3 - 100.2 = 10.1 s ahead. Of its samples the least delayed counts: a later
+    one with a 2 s round trip (offset 11.0) does not replace it, one with 0.1 s (9.95) does;
+    a reply 'received' before it was sent (our clock was set back) is no sample."""
+    clocks = ClockOffsets()
+    clocks.observe("p", 100.0, 110.3, 100.4, now=0.0)
+    assert clocks.offset_s("p", 1.0) == pytest.approx(10.1)
+    clocks.observe("p", 200.0, 212.0, 202.0, now=1.0)
+    assert clocks.offset_s("p", 2.0) == pytest.approx(10.1)
+    clocks.observe("p", 300.0, 309.95 + 0.05, 300.1, now=2.0)
+    assert clocks.offset_s("p", 3.0) == pytest.approx(9.95)
+    clocks.observe("q", 300.0, 250.0, 299.0, now=2.0)
+    assert clocks.offset_s("q", 3.0) is None
+    assert clocks.offset_s("p", 2.0 + CLOCK_SAMPLE_TTL_S + 1) is None  # samples expire
+
+
+def test_replicas_that_measured_one_another_agree_on_the_median_clock() -> None:
+    """An independent statement: every replica's stage clock reads the median of all the
+    stage's clocks. Three clocks at +0, +3 and +40 s (true time 1000): each reads 1003. Add
+    a fourth at -2: each reads the mean of the middle two, 1001.5. Of two, each moves
+    halfway: one at +0 and one at +10 both read 1005."""
+
+    def stage_clocks(skews: list[float], rtt: float = 0.08) -> list[float]:
+        offsets = [ClockOffsets() for _ in skews]
+        true = 1000.0
+        for i, mine in enumerate(skews):
+            for j, theirs in enumerate(skews):
+                if i != j:  # i pings j: sent and received by i's clock, stamped by j's
+                    sent = true + mine
+                    offsets[i].observe(str(j), sent, true + rtt / 2 + theirs, sent + rtt, 0.0)
+        return [
+            true + mine + offsets[i].stage_offset_s([str(j) for j in range(len(skews))], 0.0)
+            for i, mine in enumerate(skews)
+        ]
+
+    assert stage_clocks([0.0, 3.0, 40.0]) == pytest.approx([1003.0] * 3)
+    assert stage_clocks([0.0, 3.0, 40.0, -2.0]) == pytest.approx([1001.5] * 4)
+    assert stage_clocks([0.0, 10.0]) == pytest.approx([1005.0] * 2)
+    # a lone wrong clock among equal ones moves only itself
+    assert stage_clocks([0.0, 0.0, 0.0, -600.0]) == pytest.approx([1000.0] * 4)
+
+
+def test_peers_gone_from_the_table_are_forgotten_and_unmeasured_ones_do_not_count() -> None:
+    clocks = ClockOffsets()
+    clocks.observe("p", 0.0, 20.0, 0.0, now=0.0)
+    clocks.observe("q", 0.0, 30.0, 0.0, now=0.0)
+    assert clocks.stage_offset_s(["p", "q", "never-measured"], 1.0) == 20.0
+    clocks.forget(["q"])
+    assert clocks.offset_s("p", 1.0) is None
+    assert clocks.stage_offset_s(["p", "q"], 1.0) == 15.0

@@ -155,3 +155,35 @@ def test_replicas_that_get_no_work_keep_the_round_clock(tmp_path: Path) -> None:
         )
     finally:
         s.stop(grace_s=5)
+
+
+def test_a_replica_whose_clock_is_wrong_still_pairs_on_the_stages_clock(tmp_path: Path) -> None:
+    """Two replicas of one block stage on 4 s rounds, one machine's clock 10 s ahead (more
+    than a round and twice the hold): on raw clocks each reaches every boundary 10 s apart
+    from the other, its request held in vain or refused ``stale``, and every round ends
+    solo. Each measures the other's clock on its membership pings and both read the median,
+    5 s from either: most rounds pair, and each says how far off it was."""
+    settings = {**BASE, "swarm.num_block_stages": "1", "sync.round_s": "4"}
+    s = LocalSwarm(tmp_path, settings)
+    try:
+        head = s.start_node(0)
+        right = s.start_node(1)
+        wrong = s.start_node(1, extra=["--set", "node.debug_clock_skew_s=10"])
+        for a in (head, right, wrong):
+            wait_ready(a, 90, s)
+        wait_for(
+            lambda: all(sync_of(a)["outer_steps"] >= 10 for a in (right, wrong)),
+            150,
+            "10 outer rounds on each replica",
+        )
+        stats = {name: sync_of(a) for name, a in (("right", right), ("wrong", wrong))}
+        print({n: (st["rounds"], st["clock_offset_s"]) for n, st in stats.items()})
+        for name, st in stats.items():
+            paired = st["rounds"].get("paired", 0)
+            assert paired >= 0.7 * st["outer_steps"], (name, st["rounds"])
+        assert stats["right"]["clock_offset_s"] == pytest.approx(5.0, abs=0.5)
+        assert stats["wrong"]["clock_offset_s"] == pytest.approx(-5.0, abs=0.5)
+        logs = "".join(p.read_text() for p in s.log_dir.glob("stage1-*.log"))
+        assert "s ahead of stage 1's" in logs and "s behind stage 1's" in logs
+    finally:
+        s.stop(grace_s=5)

@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,10 +62,23 @@ def weight_screen(config: SyncConfig) -> WeightScreen:
 class StageSync:
     """Runs outer rounds for this node's stage replica."""
 
-    def __init__(self, ctx: NodeContext, runner: StageRunner, guard: RequestGuard) -> None:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        runner: StageRunner,
+        guard: RequestGuard,
+        *,
+        clock_offset: Callable[[], float],
+    ) -> None:
+        """``clock_offset()``: what to add to this machine's wall clock to read the stage's
+        (``swarm.membership.MembershipService.stage_offset_s``)."""
         self.ctx = ctx
         self.runner = runner
         self.guard = guard
+        self.clock_offset = clock_offset
+        self.offset_s = 0.0
+        """The stage's clock minus this machine's, as last read (seconds)."""
+        self._told_offset_s = 0.0
         self.stage = runner.stage
         self.config = ctx.config.sync
         self.method = self.config.method
@@ -185,11 +199,30 @@ class StageSync:
         if period is None:
             return None
         period_ms = round(period * 1000)
-        latest = int(time.time() * 1000) // period_ms * period_ms
+        latest = self._stage_ms() // period_ms * period_ms
         if self.last_round < 0:
             self.last_round = latest
             return None
         return latest if latest > self.last_round else None
+
+    def _stage_ms(self) -> int:
+        """The stage's clock, ms since the epoch, on which its rounds' grid lies: this
+        machine's wall clock plus the offset its pings measured. An offset that moved by a
+        second or more since it was last told is logged."""
+        self.offset_s = self.clock_offset()
+        if abs(self.offset_s - self._told_offset_s) >= 1.0:
+            self._told_offset_s = self.offset_s
+            if abs(self.offset_s) < 1.0:
+                log.info("clock: this machine's clock agrees with stage %d's", self.stage)
+            else:
+                log.warning(
+                    "clock: this machine's clock is %.1f s %s stage %d's (the median of its "
+                    "replicas'); outer rounds follow the stage's",
+                    abs(self.offset_s),
+                    "behind" if self.offset_s > 0 else "ahead of",
+                    self.stage,
+                )
+        return round((self.ctx.clock.wall() + self.offset_s) * 1000)
 
     async def _clock_round(self, boundary_ms: int) -> None:
         self.last_round = boundary_ms
@@ -325,7 +358,7 @@ class StageSync:
         in a row). The later round wins: the replica behind joins it at once."""
         while not ring.done():
             await asyncio.wait({ring}, timeout=0.2)
-            now_ms = int(time.time() * 1000)
+            now_ms = self._stage_ms()
             newer = _newer_clock_round(self.ring.round_ids(), self.stage, boundary, now_ms)
             if newer is not None and not ring.done():
                 ring.cancel()
@@ -380,6 +413,7 @@ class StageSync:
             "typical_distance": self.screen.typical(),
             "promises_lapsed": self.gossip.num_lapsed,
             "places_clamped": self.runner.places_clamped,
+            "clock_offset_s": round(self.offset_s, 3),
         }
 
 
