@@ -93,6 +93,10 @@ CLOCK_SAMPLES = 8
 """Offset samples kept per peer; the one with the shortest round trip is used."""
 CLOCK_SAMPLE_TTL_S = 600.0
 """A sample older than this is dropped (clocks drift, and a peer's clock may be reset)."""
+CLOCK_STEP_S = 1.0
+"""A change of this machine's wall clock against its monotonic clock by more than this
+between two samples means the wall clock was set (by NTP, or by hand): every sample taken
+before is dropped, as it measured the old setting."""
 
 
 class ClockOffsets:
@@ -116,6 +120,10 @@ class ClockOffsets:
     def __init__(self) -> None:
         self._samples: dict[str, deque[tuple[float, float, float]]] = {}
         """peer id -> (when taken, monotonic; round trip; offset), oldest first."""
+        self._base: float | None = None
+        """This machine's wall clock minus its monotonic clock at the last sample."""
+        self.steps = 0
+        """Times this machine's wall clock was seen set (every sample dropped)."""
 
     def observe(
         self, peer_id: str, sent_s: float, peer_s: float, received_s: float, now: float
@@ -125,6 +133,11 @@ class ClockOffsets:
         rtt = received_s - sent_s
         if not (math.isfinite(peer_s) and rtt >= 0):
             return  # this machine's clock was set meanwhile: the sample means nothing
+        base = received_s - now
+        if self._base is not None and abs(base - self._base) > CLOCK_STEP_S:
+            self._samples.clear()  # our clock was set since: the old samples measured it
+            self.steps += 1
+        self._base = base
         samples = self._samples.setdefault(peer_id, deque(maxlen=CLOCK_SAMPLES))
         samples.append((now, rtt, peer_s - (sent_s + received_s) / 2))
 

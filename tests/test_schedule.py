@@ -82,16 +82,17 @@ def test_an_offset_is_the_peers_reading_minus_the_midpoint_of_the_round_trip() -
     peer is 110.3 - 100.2 = 10.1 s ahead. Of its samples the least delayed counts: a later
     one with a 2 s round trip (offset 11.0) does not replace it, one with 0.1 s (9.95) does;
     a reply 'received' before it was sent (our clock was set back) is no sample."""
-    clocks = ClockOffsets()
-    clocks.observe("p", 100.0, 110.3, 100.4, now=0.0)
+    clocks = ClockOffsets()  # monotonic time here is the wall clock less 100 s
+    clocks.observe("p", 100.0, 110.3, 100.4, now=0.4)
     assert clocks.offset_s("p", 1.0) == pytest.approx(10.1)
-    clocks.observe("p", 200.0, 212.0, 202.0, now=1.0)
-    assert clocks.offset_s("p", 2.0) == pytest.approx(10.1)
-    clocks.observe("p", 300.0, 309.95 + 0.05, 300.1, now=2.0)
-    assert clocks.offset_s("p", 3.0) == pytest.approx(9.95)
-    clocks.observe("q", 300.0, 250.0, 299.0, now=2.0)
-    assert clocks.offset_s("q", 3.0) is None
-    assert clocks.offset_s("p", 2.0 + CLOCK_SAMPLE_TTL_S + 1) is None  # samples expire
+    clocks.observe("p", 200.0, 212.0, 202.0, now=102.0)
+    assert clocks.offset_s("p", 103.0) == pytest.approx(10.1)
+    clocks.observe("p", 300.0, 310.0, 300.1, now=200.1)
+    assert clocks.offset_s("p", 201.0) == pytest.approx(9.95)
+    clocks.observe("q", 300.0, 250.0, 299.0, now=200.1)
+    assert clocks.offset_s("q", 201.0) is None
+    assert clocks.offset_s("p", 201.0 + CLOCK_SAMPLE_TTL_S) is None  # samples expire
+    assert clocks.steps == 0
 
 
 def test_replicas_that_measured_one_another_agree_on_the_median_clock() -> None:
@@ -128,3 +129,18 @@ def test_peers_gone_from_the_table_are_forgotten_and_unmeasured_ones_do_not_coun
     clocks.forget(["q"])
     assert clocks.offset_s("p", 1.0) is None
     assert clocks.stage_offset_s(["p", "q"], 1.0) == 15.0
+
+
+def test_when_this_machines_clock_is_set_the_samples_of_the_old_setting_go() -> None:
+    """A sample at monotonic 0 (wall 100): peer 10 s ahead. The wall clock is then set back
+    an hour: at monotonic 5 the wall reads 100 + 5 - 3600, and the peer now reads 3610 s
+    ahead. Kept, the old sample (its round trip the shorter) would still say 10."""
+    clocks = ClockOffsets()
+    clocks.observe("p", 99.99, 110.0, 100.01, now=0.0)
+    assert clocks.offset_s("p", 1.0) == pytest.approx(10.0)
+    wall = 100.0 + 5.0 - 3600.0
+    clocks.observe("p", wall - 0.05, wall + 3610.0, wall + 0.05, now=5.0)
+    assert clocks.offset_s("p", 6.0) == pytest.approx(3610.0)
+    assert clocks.steps == 1
+    clocks.observe("q", wall + 1.0, wall + 1.0, wall + 1.02, now=6.01)  # slewing is no step
+    assert clocks.steps == 1 and clocks.offset_s("p", 7.0) == pytest.approx(3610.0)

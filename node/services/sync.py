@@ -79,6 +79,7 @@ class StageSync:
         self.offset_s = 0.0
         """The stage's clock minus this machine's, as last read (seconds)."""
         self._told_offset_s = 0.0
+        self._told_back = -1
         self.stage = runner.stage
         self.config = ctx.config.sync
         self.method = self.config.method
@@ -203,6 +204,14 @@ class StageSync:
         if self.last_round < 0:
             self.last_round = latest
             return None
+        if latest < self.last_round - period_ms and self._told_back != self.last_round:
+            self._told_back = self.last_round  # once per stall
+            log.warning(
+                "clock: stage %d's clock went back %.0f s (a replica's clock was set back); "
+                "outer rounds resume once it passes the last round's boundary",
+                self.stage,
+                (self.last_round - latest) / 1000,
+            )
         return latest if latest > self.last_round else None
 
     def _stage_ms(self) -> int:
