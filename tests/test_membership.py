@@ -802,3 +802,37 @@ async def test_refresh_brings_a_join_the_news_never_brought_at_once() -> None:
     assert refreshing.done() and refreshing.result()
     assert "p4" in nodes[3].table  # its next table exchange is due in sync_s (30 s)
     await sw.close()
+
+
+class Skewed:
+    """A simulated node's clock ``skew_s`` off the others' wall time."""
+
+    def __init__(self, clock: SimClock, skew_s: float) -> None:
+        self.clock, self.skew_s = clock, skew_s
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def wall(self) -> float:
+        return self.clock.wall() + self.skew_s
+
+    async def sleep(self, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+
+
+async def test_pings_measure_each_members_clock_and_the_stage_reads_the_median() -> None:
+    """Four replicas of stage 1, one with its clock 30 s ahead, 10 ms each way: within a
+    few heartbeats every member has measured the others on its pings; the three right
+    clocks read their own time as the stage's (to the millisecond the pongs carry) and the
+    wrong one reads 30 s back."""
+    sw = Swarm(latency_s=0.01)
+    nodes = [sw.add(i, stage=1) for i in range(4)]
+    nodes[3].clock = Skewed(sw.clock, 30.0)
+    for node in nodes[1:]:
+        node.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(15.0)
+    for node in nodes[:3]:
+        assert node.stage_offset_s(1) == pytest.approx(0.0, abs=2e-3), node.clocks._samples
+        assert node.clocks.offset_s("p3", sw.clock.now()) == pytest.approx(30.0, abs=0.011)
+    assert nodes[3].stage_offset_s(1) == pytest.approx(-30.0, abs=0.011)
+    await sw.close()
