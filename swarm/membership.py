@@ -262,6 +262,7 @@ class MembershipService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._leaving = False
         self.clocks = ClockOffsets()
+        self._told: dict[str, str] = {}  # bootstrap address -> the outcome last logged
         """How far each member's wall clock is from ours, measured on our pings."""
 
     # -- this node's record --------------------------------------------------------------
@@ -783,6 +784,24 @@ class MembershipService:
         await asyncio.gather(*probes, *(self.contact(a) for a in sorted(greet)))
         self.num_rounds += 1
 
+    def _tell_bootstrap(self, address: str, code: str, why: str) -> None:
+        """Say (once per outcome) how greeting a bootstrap address went: a volunteer whose
+        bootstrap refuses it (a wrong key or model, a clock too far off for a keyed swarm)
+        or cannot be reached would otherwise serve alone and never know why. ``code``
+        empty: it answered."""
+        if address not in self.bootstrap or self._told.get(address, "") == code:
+            return
+        if code:
+            log.warning(
+                "bootstrap %s: %s%s; greeting it again every round",
+                address,
+                "did not answer" if code in ("unreachable", "timeout") else "refused us",
+                f" ({why})",
+            )
+        else:
+            log.info("bootstrap %s answered", address)
+        self._told[address] = code
+
     def _sync_partner(self, now: float) -> str | None:
         """Every ``sync_s`` or so (jittered, the first within one interval), the address of
         a random member to exchange tables with: one dialled directly (a relayed member's
@@ -1058,9 +1077,17 @@ class MembershipService:
             welcome = await self._hello(address, peers, want_table=not introduce)
         except (TransportError, ValueError) as e:
             log.debug("hello to %s failed: %s", address, e)
+            self._tell_bootstrap(address, getattr(e, "code", "malformed_message"), str(e))
             return False
         if (welcome.swarm, welcome.fingerprint) != (self.swarm, self.fingerprint):
+            self._tell_bootstrap(
+                address,
+                "wrong_swarm",
+                f"it is in swarm {welcome.swarm!r} with model {welcome.fingerprint}; "
+                f"this node is in {self.swarm!r} with {self.fingerprint}",
+            )
             return False
+        self._tell_bootstrap(address, "", "")
         self.observed_host = welcome.observed_host
         if not self.table.covers(welcome.sender.stage):
             self._answered_far.add(address)

@@ -112,8 +112,17 @@ def test_a_keyed_swarm_trains_and_refuses_outsiders(swarms: Any, tmp_path: Path)
     assert refused.value.status == 401
     assert request_eval(head, timeout_s=120, auth=member) > 0
 
+    # a volunteer given the wrong key is told why nobody takes it (not only the head's log)
+    other_file = tmp_path / "other.key"
+    other_file.write_text(secrets.token_hex(32))
+    outsider = s.start_node(1, extra=["--set", f"net.swarm_key_file={other_file}"])
+    outsider_log = s.log_dir / f"stage1-{outsider.rsplit(':', 1)[1]}.log"
+    told = f"bootstrap {head}: refused us (auth_bad_mac"
+    wait_for(lambda: told in outsider_log.read_text(), 60, "the outsider told why")
+
     done = completed(head)
     wait_for(lambda: completed(head) >= done + 5, 120, "training after the refusals")
+    assert outsider_log.read_text().count(told) == 1  # once, not every round
     logs = "".join(p.read_text() for p in s.log_dir.glob("stage*.log"))
     assert "swarm key set" in logs and "swarm is open" not in logs
     assert key not in logs

@@ -836,3 +836,32 @@ async def test_pings_measure_each_members_clock_and_the_stage_reads_the_median()
         assert node.clocks.offset_s("p3", sw.clock.now()) == pytest.approx(30.0, abs=0.011)
     assert nodes[3].stage_offset_s(1) == pytest.approx(-30.0, abs=0.011)
     await sw.close()
+
+
+async def test_a_bootstrap_that_refuses_or_is_silent_is_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A volunteer greeting a node of another swarm, and an address nobody listens at, is
+    told each once (its bootstrap is greeted again every round); when the silent one comes
+    up it says so."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="swarm.membership")
+    sw = Swarm()
+    other = sw.add(0, swarm="elsewhere")
+    me = sw.add(1)
+    me.add_bootstrap([other.self_record().address, "10.0.0.2:7070"])
+    await sw.run_for(5.0)
+    warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
+    assert warnings == {
+        "bootstrap 10.0.0.0:7070: refused us (wrong_swarm: this node is in swarm 'elsewhere'"
+        " with model f; you are in 's' with f); greeting it again every round",
+        "bootstrap 10.0.0.2:7070: did not answer (timeout: 10.0.0.2:7070 did not answer in"
+        " 3 s); greeting it again every round",
+    }
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2  # once each
+    assert other.self_record().peer_id not in me.table
+    sw.add(2)
+    await sw.run_for(3.0)
+    assert "bootstrap 10.0.0.2:7070 answered" in caplog.text and "p2" in me.table
+    await sw.close()
