@@ -80,8 +80,9 @@ class NodeConfig:
     """Have glibc keep and reuse freed memory, so large frames do not pay for fresh pages
     (``node.allocator``); also MURMUR_MALLOC_REUSE=0 to turn it off."""
     debug_clock_skew_s: float = 0.0
-    """Seconds added to this node's wall clock (tests and benchmarks: a volunteer whose clock
-    is wrong; outer rounds follow the stage's clock all the same: ``swarm.schedule``)."""
+    """Seconds added to the wall clock that membership and the outer rounds read (tests: a
+    volunteer whose clock is wrong; rounds follow the stage's clock all the same,
+    ``swarm.schedule``). Request signatures of a keyed swarm keep the true time."""
 
 
 @dataclass(frozen=True)
