@@ -115,7 +115,7 @@ from protocol.messages import (
 )
 from swarm.peers import NEW, PeerTable, dialled_first
 from swarm.schedule import ClockOffsets
-from swarm.seams import Clock, Refused, Transport, TransportError
+from swarm.seams import NO_ANSWER, Clock, Refused, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +262,8 @@ class MembershipService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._leaving = False
         self.clocks = ClockOffsets()
-        self._told: dict[str, str] = {}  # bootstrap address -> the outcome last logged
         """How far each member's wall clock is from ours, measured on our pings."""
+        self._told: dict[str, str] = {}  # bootstrap address -> the outcome last logged
 
     # -- this node's record --------------------------------------------------------------
 
@@ -795,7 +795,7 @@ class MembershipService:
             log.warning(
                 "bootstrap %s: %s%s; greeting it again every round",
                 address,
-                "did not answer" if code in ("unreachable", "timeout") else "refused us",
+                "did not answer" if code in NO_ANSWER else "refused us",
                 f" ({why})",
             )
         else:
@@ -1077,7 +1077,8 @@ class MembershipService:
             welcome = await self._hello(address, peers, want_table=not introduce)
         except (TransportError, ValueError) as e:
             log.debug("hello to %s failed: %s", address, e)
-            self._tell_bootstrap(address, getattr(e, "code", "malformed_message"), str(e))
+            code = e.code if isinstance(e, TransportError) else "malformed_message"
+            self._tell_bootstrap(address, code, str(e))
             return False
         if (welcome.swarm, welcome.fingerprint) != (self.swarm, self.fingerprint):
             self._tell_bootstrap(

@@ -59,6 +59,11 @@ class MonotonicClock:
         await asyncio.sleep(seconds)
 
 
+NO_ANSWER = ("unreachable", "timeout")
+"""``TransportError`` codes of a peer that said nothing (down, or not reachable from here),
+as against one that answered with a refusal."""
+
+
 class TransportError(Exception):
     """A request failed: unreachable peer, timeout, or an ``Error`` reply (``code`` says which)."""
 

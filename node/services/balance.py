@@ -51,7 +51,7 @@ from swarm.balance import (
     plan_move,
     settle_join,
 )
-from swarm.seams import Refused, TransportError
+from swarm.seams import NO_ANSWER, Refused, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class Balancer:
         try:
             reply = await self.ctx.transport.request(peer.address, msg, timeout_s, peer.peer_id)
         except TransportError as e:
-            if e.code in ("unreachable", "timeout"):
+            if e.code in NO_ANSWER:
                 log.info("rebalancing: %s did not answer (%s); not waiting", peer.peer_id[:8], e)
                 return True
             log.info("rebalancing: %s refused our move: %s", peer.peer_id[:8], e)

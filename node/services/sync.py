@@ -99,7 +99,7 @@ class StageSync:
         self.period: float | None = None
         """Seconds per round on the clock schedule (None until the stage's step times are
         known, when derived)."""
-        self._period_checked = -math.inf
+        self._stage_checked = -math.inf
         self.last_round = -1
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
         self._join_round: int | None = None
@@ -176,15 +176,16 @@ class StageSync:
             self.ctx.spawn(self._round(self.runner.sync_due, self.runner.outer_rounds))
 
     def _round_period(self) -> float | None:
-        """The clock schedule's period: set, or derived from the stage's step times (looked
-        at again at most once a second: this runs after every job)."""
-        if self.config.round_s > 0:
-            return self.config.round_s
+        """The clock schedule's period: set, or derived from the stage's step times. The
+        stage is looked at again (its step times, its clock) at most once a second: this
+        runs after every job."""
         now = self.ctx.clock.now()
-        if now - self._period_checked >= 1.0:
-            self._period_checked = now
-            self.period = round_period(self._step_times(), self.config.outer_steps, self.period)
-        return self.period
+        if now - self._stage_checked >= 1.0:
+            self._stage_checked = now
+            self._read_offset()
+            if self.config.round_s <= 0:
+                self.period = round_period(self._step_times(), self.config.outer_steps, self.period)
+        return self.config.round_s if self.config.round_s > 0 else self.period
 
     def _step_times(self) -> list[float]:
         """Seconds per inner step of the stage's replicas, this one included (0: unknown)."""
@@ -216,8 +217,12 @@ class StageSync:
 
     def _stage_ms(self) -> int:
         """The stage's clock, ms since the epoch, on which its rounds' grid lies: this
-        machine's wall clock plus the offset its pings measured. An offset that moved by a
-        second or more since it was last told is logged."""
+        machine's wall clock plus the offset its pings measured (``_read_offset``)."""
+        return round((self.ctx.clock.wall() + self.offset_s) * 1000)
+
+    def _read_offset(self) -> None:
+        """Read the stage's clock offset again; one that moved by a second or more since it
+        was last told is logged."""
         self.offset_s = self.clock_offset()
         if abs(self.offset_s - self._told_offset_s) >= 1.0:
             self._told_offset_s = self.offset_s
@@ -231,7 +236,6 @@ class StageSync:
                     "behind" if self.offset_s > 0 else "ahead of",
                     self.stage,
                 )
-        return round((self.ctx.clock.wall() + self.offset_s) * 1000)
 
     async def _clock_round(self, boundary_ms: int) -> None:
         self.last_round = boundary_ms
