@@ -89,6 +89,23 @@ def next_boundary(now_s: float, period_s: float, after_ms: int = -1) -> int:
     return boundary
 
 
+def round_share(began_ms: int | None, boundary_ms: int, period_ms: int) -> float:
+    """The part of the round ending at ``boundary_ms`` that a replica trained in: from
+    ``began_ms`` (the boundary of its last outer step, or the moment it began serving) to
+    the boundary, over the period; at most 1, and 1 when either is unknown.
+
+    A replica that begins serving partway through a round takes that round's outer step
+    after only part of a round's inner steps, though it runs at the stage's usual pace.
+    ``swarm.outer.scale_by_steps`` compares its steps with the stage's usual steps per
+    round; over the whole round it would read the replica as slow and enlarge its
+    pseudo-gradient up to 4x, an extrapolation that early in training threw the loss above
+    its starting value (CI: eval loss 5.13, then 6.47 after the first solo step). Over the
+    part it served, the usual number is this share of a round's."""
+    if began_ms is None or period_ms <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (boundary_ms - began_ms) / period_ms))
+
+
 CLOCK_SAMPLES = 8
 """Offset samples kept per peer; the one with the shortest round trip is used."""
 CLOCK_SAMPLE_TTL_S = 600.0

@@ -8,6 +8,7 @@ from swarm.schedule import (
     next_boundary,
     power_of_two_at_least,
     round_period,
+    round_share,
 )
 
 
@@ -144,3 +145,13 @@ def test_when_this_machines_clock_is_set_the_samples_of_the_old_setting_go() -> 
     assert clocks.steps == 1
     clocks.observe("q", wall + 1.0, wall + 1.0, wall + 1.02, now=6.01)  # slewing is no step
     assert clocks.steps == 1 and clocks.offset_s("p", 7.0) == pytest.approx(3610.0)
+
+
+def test_a_rounds_share_is_the_part_of_it_a_replica_trained_in() -> None:
+    period = 64_000
+    assert round_share(None, 128_000, period) == 1.0  # not known: a whole round
+    assert round_share(64_000, 128_000, period) == 1.0  # from the last boundary
+    assert round_share(103_000, 128_000, period) == pytest.approx(25 / 64)  # began serving
+    assert round_share(0, 128_000, period) == 1.0  # a boundary missed: still at most one
+    assert round_share(128_500, 128_000, period) == 0.0  # a stage clock read back a little
+    assert round_share(64_000, 128_000, 0) == 1.0

@@ -41,7 +41,7 @@ from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingC
 from protocol.quant import tensor_bytes
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
-from swarm.schedule import round_period
+from swarm.schedule import round_period, round_share
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
 
@@ -102,6 +102,9 @@ class StageSync:
         self._stage_checked = -math.inf
         self.last_round = -1
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
+        self._round_began_ms: int | None = None
+        """Where this replica's current clock round began on the stage's clock: the
+        boundary of its last outer step, or when it began serving (``swarm.schedule.round_share``)."""
         self._join_round: int | None = None
         """A later clock round a partner is in: taken next, at once."""
         self.gossip = GossipService(
@@ -198,6 +201,8 @@ class StageSync:
         if join is not None and join > self.last_round:
             return join  # a partner is in it already (``_unless_superseded``)
         period = self._round_period()
+        if self._round_began_ms is None:
+            self._round_began_ms = self._stage_ms()  # serving from now: its first round
         if period is None:
             return None
         period_ms = round(period * 1000)
@@ -239,10 +244,14 @@ class StageSync:
 
     async def _clock_round(self, boundary_ms: int) -> None:
         self.last_round = boundary_ms
+        period = self._round_period()
+        share = round_share(self._round_began_ms, boundary_ms, round((period or 0) * 1000))
+        self._round_began_ms = boundary_ms
         await self.runner.compute(self.runner.begin_outer)
-        await self._round("outer", boundary_ms)
+        await self._round("outer", boundary_ms, share)
 
-    async def _round(self, kind: str, round_id: int) -> None:
+    async def _round(self, kind: str, round_id: int, share: float = 1.0) -> None:
+        """Run one round; ``share``: the part of a clock round this replica trained in."""
         t0 = time.monotonic()
         if kind == "outer":
             self.last_round = round_id
@@ -250,9 +259,9 @@ class StageSync:
             if kind == "grads":
                 await self._allreduce_grads()
             elif self.method == "noloco":
-                await self._noloco(round_id)
+                await self._noloco(round_id, share)
             else:
-                await self._diloco(round_id)
+                await self._diloco(round_id, share)
         except Exception:
             self.rounds["failed"] += 1
             log.exception("outer round failed; continuing without it")
@@ -263,17 +272,19 @@ class StageSync:
             self.running = False
         self.poll()
 
-    def _ref_steps(self) -> float:
-        """On the clock schedule: the stage's usual inner steps per round, its period over
-        the median of its replicas' seconds per step (0 when unknown, or steps schedule)."""
+    def _ref_steps(self, share: float) -> float:
+        """On the clock schedule: the stage's usual inner steps in ``share`` of a round (the
+        part this replica trained in), the period over the median of its replicas' seconds
+        per step, times ``share`` (0 when unknown, or on the steps schedule)."""
         period = self.period if self.config.round_s <= 0 else self.config.round_s
         if not self.clocked or not period:
             return 0.0
         measured = [s for s in self._step_times() if s > 0]
-        return period / statistics.median(measured) if measured else 0.0
+        return share * period / statistics.median(measured) if measured else 0.0
 
-    async def _noloco(self, round_: int) -> None:
-        ref_steps = self._ref_steps()
+    async def _noloco(self, round_: int, share: float) -> None:
+        ref_steps = self._ref_steps(share)
+        steps = self.runner.round_steps  # held: no inner step until the round ends
         tensors, meta = await self.runner.compute(
             self.runner.outer_contribution, self.config.codec, ref_steps
         )
@@ -296,11 +307,12 @@ class StageSync:
         else:
             self.rounds["solo"] += 1
         log.info(
-            "noloco outer step %d: %s%s",
+            "noloco outer step %d: %s%s%s",
             self.runner.outer_rounds + 1,
             f"paired with {outcome.partner_id[:8]}, spread {spread:.2e}"
             if outcome.partner_id and spread is not None
             else "solo",
+            f"; {steps} inner steps, the stage's usual {ref_steps:.0f}" if ref_steps else "",
             f" (refusals {dict(outcome.refusals)})" if outcome.refusals else "",
         )
 
@@ -378,7 +390,7 @@ class StageSync:
                 self._join_round = newer
                 raise RingFailed(f"a partner is already in the round of boundary {newer}")
 
-    async def _diloco(self, round_: int) -> None:
+    async def _diloco(self, round_: int, share: float) -> None:
         """DiLoCo's outer step with the ring's mean pseudo-gradient; with
         ``sync.diloco_share_schedule`` the ring also averages the members' places in the
         learning-rate schedule, which on the clock schedule differ between replicas of
@@ -389,7 +401,7 @@ class StageSync:
         mean, place = await self._ring_mean(round_id, delta, clock, self.runner.place)
         await self.runner.compute(self.runner.apply_diloco, mean)
         if place:
-            await self.runner.compute(self.runner.take_place, place[0], self._ref_steps())
+            await self.runner.compute(self.runner.take_place, place[0], self._ref_steps(share))
 
     async def _allreduce_grads(self) -> None:
         grads = self.runner.pending_grads

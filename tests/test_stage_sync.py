@@ -1,0 +1,146 @@
+"""``node.services.sync.StageSync`` on a real stage runner: a clock round's usual steps.
+
+On the clock schedule a NoLoCo replica's pseudo-gradient is read per inner step and scaled
+to the stage's usual steps per round (``swarm.outer.scale_by_steps``). A replica that
+begins serving partway through a round reaches that round's boundary after only part of a
+round's steps, at the usual pace. Counted against a whole round's steps it was read as slow
+and its first solo step moved its slow weights up to 4x too far (in CI the eval loss went
+from 5.13 to 6.47 over the first outer step). These tests step a real runner by hand, put
+the wall clock where the round should be, and check the slow weights against NoLoCo's rule
+written out here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from node.config import resolve_config
+from node.context import NodeContext, NodeState
+from node.services.guard import RequestGuard
+from node.services.sync import StageSync
+from node.stage.runner import StageRunner
+from protocol.messages import Message
+from swarm.peers import PeerTable
+from swarm.routing import Router
+
+pytestmark = pytest.mark.timeout(60)
+
+ROUND_S = 10.0
+STEP_S = 0.5
+"""Seconds per inner step the runner reports: 20 usual steps in a 10 s round."""
+ALPHA, BETA = 0.5, 0.7  # NoLoCo's defaults (sync.alpha, sync.beta)
+
+
+class WallClock:
+    """Real monotonic time, and a wall clock the test sets."""
+
+    def __init__(self, wall_s: float) -> None:
+        self.wall_s = wall_s
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return self.wall_s
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class NoPeers:
+    """The transport of a replica alone in its stage: it never has anyone to ask."""
+
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
+        raise AssertionError(f"a lone replica sent {type(msg).__name__} to {address}")
+
+
+def lone_replica(clock: WallClock) -> tuple[StageSync, StageRunner, list[asyncio.Task[None]]]:
+    config = resolve_config(
+        None,
+        {},
+        {
+            "train.step_samples": "4",
+            "sync.method": "noloco",
+            "sync.schedule": "clock",
+            "sync.round_s": str(ROUND_S),
+            "sync.share_schedule": "false",
+        },
+    )
+    runner = StageRunner(config, 1)
+    runner._build()
+    tasks: list[asyncio.Task[None]] = []
+
+    def spawn(coro: Coroutine[Any, Any, None]) -> None:
+        tasks.append(asyncio.ensure_future(coro))
+
+    ctx = NodeContext(
+        config=config,
+        peer_id="a" * 16,
+        num_stages=2,
+        state=NodeState(stage=1, ready=True, address="127.0.0.1:1", runner=runner),
+        clock=clock,
+        rng=random.Random(0),
+        table=PeerTable("a" * 16, 30.0, 100),
+        stages=dict,
+        router=Router(random.Random(0)),
+        transport=NoPeers(),
+        counters=Counter(),
+        spawn=spawn,
+    )
+    sync = StageSync(ctx, runner, RequestGuard(ctx), clock_offset=lambda: 0.0)
+    return sync, runner, tasks
+
+
+def inner_steps(runner: StageRunner, n: int) -> None:
+    for k in range(2 * n):  # two microbatches of two samples a step
+        runner.block_forward(str(k), torch.randn(2, 8, 128), train=True)
+        runner.block_backward(str(k), torch.randn(2, 8, 128))
+
+
+async def round_at(sync: StageSync, runner: StageRunner, tasks: list, wall_s: float) -> None:
+    """Pass the boundary before ``wall_s`` and wait for the outer step."""
+    runner.step_s = STEP_S
+    sync.ctx.clock.wall_s = wall_s  # type: ignore[attr-defined]
+    before = runner.outer_rounds
+    sync.poll()
+    assert tasks, "no round started at the boundary"
+    await asyncio.gather(*tasks)
+    tasks.clear()
+    assert runner.outer_rounds == before + 1
+
+
+async def test_a_replica_that_began_serving_late_in_a_round_takes_the_published_solo_step() -> None:
+    clock = WallClock(1_000_007.5)  # three quarters into the round that ends at 1_000_010
+    sync, runner, tasks = lone_replica(clock)
+    try:
+        sync.poll()  # begins serving: the boundary behind it (1_000_000) is skipped
+        assert not tasks
+        inner_steps(runner, 5)  # 2.5 s at 0.5 s a step: the usual pace
+        assert runner.round_steps == 5
+        phi, theta = runner.phi.clone(), runner._theta().clone()
+        await round_at(sync, runner, tasks, 1_000_010.1)
+        # it served a quarter of the round: its usual steps are 5, so the scale is 1 and
+        # m = beta * (theta - phi), phi += m (before: 20 usual steps, 4x: phi + 2.8 delta)
+        m1 = BETA * (theta - phi)
+        assert torch.allclose(runner.phi, phi + m1, atol=1e-6)
+        assert torch.allclose(runner._theta(), runner.phi)
+
+        # the next round is a whole one: 10 steps against the usual 20 is a slow replica,
+        # its displacement read per step and scaled 2x, as before
+        inner_steps(runner, 10)
+        phi, theta = runner.phi.clone(), runner._theta().clone()
+        await round_at(sync, runner, tasks, 1_000_020.2)
+        m2 = ALPHA * m1 + BETA * 2.0 * (theta - phi)
+        assert torch.allclose(runner.phi, phi + m2, atol=1e-6)
+    finally:
+        runner.close()
