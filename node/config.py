@@ -249,7 +249,7 @@ class SyncConfig:
     """NoLoCo on the clock schedule: take a pair's mean pseudo-gradient as its pooled
     displacement per inner step times the stage's usual steps per round (at most 4x), so
     pairs of fast and of slow replicas move their slow weights alike (equal replicas: the
-    published rule; a replica's first round counts the usual steps of the part it served)."""
+    published rule; a replica's first round counts the usual steps of the part it trained in)."""
     share_schedule: bool = True
     """NoLoCo: average this replica's place in the inner learning-rate schedule with each
     partner's at an outer step, so a replica slower than the rest is not left warming up

@@ -91,10 +91,10 @@ def next_boundary(now_s: float, period_s: float, after_ms: int = -1) -> int:
 
 def round_share(began_ms: int | None, boundary_ms: int, period_ms: int) -> float:
     """The part of the round ending at ``boundary_ms`` that a replica trained in: from
-    ``began_ms`` (the boundary of its last outer step, or the moment it began serving) to
+    ``began_ms`` (the boundary of its last outer step, or its first inner step) to
     the boundary, over the period; at most 1, and 1 when either is unknown.
 
-    A replica that begins serving partway through a round takes that round's outer step
+    A replica that begins training partway through a round takes that round's outer step
     after only part of a round's inner steps, though it runs at the stage's usual pace.
     ``swarm.outer.scale_by_steps`` compares its steps with the stage's usual steps per
     round; over the whole round it would read the replica as slow and enlarge its

@@ -104,7 +104,8 @@ class StageSync:
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
         self._round_began_ms: int | None = None
         """Where this replica's current clock round began on the stage's clock: the
-        boundary of its last outer step, or when it began serving (``swarm.schedule.round_share``)."""
+        boundary of its last outer step, or its first inner step (a replica serving with no
+        work yet, its pipeline incomplete, is not training; ``swarm.schedule.round_share``)."""
         self._join_round: int | None = None
         """A later clock round a partner is in: taken next, at once."""
         self.gossip = GossipService(
@@ -201,8 +202,8 @@ class StageSync:
         if join is not None and join > self.last_round:
             return join  # a partner is in it already (``_unless_superseded``)
         period = self._round_period()
-        if self._round_began_ms is None:
-            self._round_began_ms = self._stage_ms()  # serving from now: its first round
+        if self._round_began_ms is None and self.runner.round_steps > 0:
+            self._round_began_ms = self._stage_ms()  # its first inner step: its first round
         if period is None:
             return None
         period_ms = round(period * 1000)
