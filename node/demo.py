@@ -105,9 +105,11 @@ class LocalSwarm:
         port: int = 0,
         extra: list[str] | None = None,
         host: Host | None = None,
+        env: dict[str, str] | None = None,
     ) -> str:
         """Start a node of ``stage`` listening on ``port`` (a free one if 0) of 127.0.0.1, or
-        of ``host`` when given; every node after the first bootstraps from the first."""
+        of ``host`` when given; every node after the first bootstraps from the first.
+        ``env``: variables added to its environment (libfaketime's, for a wrong clock)."""
         port = port or free_port()
         address = f"{host.address if host else '127.0.0.1'}:{port}"
         cmd = [sys.executable, "-m", "node", "join", "--stage", str(stage)]
@@ -122,7 +124,13 @@ class LocalSwarm:
         name = f"stage{stage}-{host.name if host else port}"
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         launch = host.popen if host else subprocess.Popen
-        proc = launch(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = launch(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
+        )
         self.procs.append((name, proc, log))
         self.addresses.append(address)
         LocalSwarm.running.add(self)

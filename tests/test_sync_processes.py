@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import signal
 import statistics
 import time
@@ -140,21 +141,46 @@ def test_replicas_that_get_no_work_keep_the_round_clock(tmp_path: Path) -> None:
         s.stop(grace_s=5)
 
 
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+"""Debian's ``faketime`` package (``.ci/setup-extras.sh`` installs it): preloaded, it shifts
+the clocks a process reads."""
+
+
+def wrong_clock(ahead_s: int) -> tuple[list[str], dict[str, str]]:
+    """Settings and environment for a node whose clock is ``ahead_s`` seconds ahead: the
+    machine's own clock as the process reads it (libfaketime) where installed, else
+    ``node.debug_clock_skew_s`` (the wall clock the schedule reads; signatures keep the
+    true time)."""
+    if LIBFAKETIME.exists():
+        return [], {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": f"+{ahead_s}s"}
+    return ["--set", f"node.debug_clock_skew_s={ahead_s}"], {}
+
+
 def test_a_replica_whose_clock_is_wrong_still_pairs_and_a_survivor_trains_on(
     tmp_path: Path,
 ) -> None:
-    """Two replicas of one block stage on 4 s rounds, one machine's clock 10 s ahead (more
-    than a round and twice the hold): on raw clocks each reaches every boundary 10 s apart
-    from the other, its request held in vain or refused ``stale``, and every round ends
-    solo. Each measures the other's clock on its membership pings and both read the median,
-    5 s from either: most rounds pair, and each says how far off it was. Then the partner
-    is killed: the survivor's rounds go on, solo, and so does training."""
-    settings = {**BASE, "swarm.num_block_stages": "1", "sync.round_s": "4"}
+    """Two replicas of one block stage on 4 s rounds in a keyed swarm, one machine's clock
+    10 s ahead (more than a round and twice the hold; within the 60 s a signed request's
+    stamp may be off): on raw clocks each reaches every boundary 10 s apart from the other,
+    its request held in vain or refused ``stale``, and every round ends solo. Each measures
+    the other's clock on its membership pings and both read the median, 5 s from either:
+    most rounds pair, and each says how far off it was. Then the partner is killed: the
+    survivor's rounds go on, solo, and so does training."""
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text(secrets.token_hex(32) + "\n")
+    settings = {
+        **BASE,
+        "swarm.num_block_stages": "1",
+        "sync.round_s": "4",
+        "net.swarm_key_file": str(key_file),
+    }
     s = LocalSwarm(tmp_path, settings)
     try:
         head = s.start_node(0)
         right = s.start_node(1)
-        wrong = s.start_node(1, extra=["--set", "node.debug_clock_skew_s=10"])
+        extra, env = wrong_clock(10)
+        print("wrong clock:", "libfaketime" if env else "node.debug_clock_skew_s")
+        wrong = s.start_node(1, extra=extra, env=env)
         for a in (head, right, wrong):
             wait_ready(a, 90, s)
         wait_for(
