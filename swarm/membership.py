@@ -149,6 +149,12 @@ FAR_EVERY_S = 30.0
 """Mean seconds between a node's greetings of a far stage's contact (with neighbourhood
 tables), whose welcome brings its summaries of every stage: news of a stage otherwise travels
 the ring of stages one neighbourhood at a time, a minute and more across 80 stages."""
+BOOTSTRAP_ADVICE = {
+    "auth_stale": "a keyed swarm refuses requests stamped more than a minute off its clock: "
+    "set this machine's clock (NTP: timedatectl set-ntp true)",
+}
+"""What a volunteer can do about a bootstrap's refusal, by code, where the refusal (written
+from the refusing node's side) does not say it."""
 MAX_NEWS = 64
 """Most news items one message carries (a burst, such as a healed partition, takes turns)."""
 PUSH_DELAY_S = 0.1
@@ -793,10 +799,11 @@ class MembershipService:
             return
         if code:
             log.warning(
-                "bootstrap %s: %s%s; greeting it again every round",
+                "bootstrap %s: %s (%s)%s; greeting it again every round",
                 address,
                 "did not answer" if code in NO_ANSWER else "refused us",
-                f" ({why})",
+                why,
+                f"; {BOOTSTRAP_ADVICE[code]}" if code in BOOTSTRAP_ADVICE else "",
             )
         else:
             log.info("bootstrap %s answered", address)

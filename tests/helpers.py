@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -135,3 +136,18 @@ async def rpc_app(
         yield app, f"127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+"""Debian's ``faketime`` package (``.ci/setup-extras.sh`` installs it): preloaded, it shifts
+every clock a process reads."""
+
+
+def wrong_clock(ahead_s: int) -> tuple[list[str], dict[str, str]]:
+    """Settings and environment for a node whose clock is ``ahead_s`` seconds ahead: the
+    machine's own clock as the process reads it (libfaketime) where installed, else
+    ``node.debug_clock_skew_s`` (the wall clock the schedule reads; signatures keep the
+    true time)."""
+    if LIBFAKETIME.exists():
+        return [], {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": f"+{ahead_s}s"}
+    return ["--set", f"node.debug_clock_skew_s={ahead_s}"], {}

@@ -19,7 +19,7 @@ from node.identity import IDENTITY_FILE
 from protocol.auth import AUTH_HEADER, Identity, SwarmAuth, frame_digest
 from protocol.frames import join_frame
 from protocol.messages import Error, Leave, Message, decode_message, encode_message
-from tests.helpers import FAST_SWARM, wait_for
+from tests.helpers import FAST_SWARM, LIBFAKETIME, wait_for, wrong_clock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -119,6 +119,16 @@ def test_a_keyed_swarm_trains_and_refuses_outsiders(swarms: Any, tmp_path: Path)
     outsider_log = s.log_dir / f"stage1-{outsider.rsplit(':', 1)[1]}.log"
     told = f"bootstrap {head}: refused us (auth_bad_mac"
     wait_for(lambda: told in outsider_log.read_text(), 60, "the outsider told why")
+
+    # the right key but a clock two minutes ahead (the machine's, where libfaketime is
+    # installed): refused as stale, and told to set the clock
+    if LIBFAKETIME.exists():
+        extra, env = wrong_clock(120)
+        late = s.start_node(1, extra=extra, env=env)
+        late_log = s.log_dir / f"stage1-{late.rsplit(':', 1)[1]}.log"
+        stale = f"bootstrap {head}: refused us (auth_stale: request stamped"
+        wait_for(lambda: stale in late_log.read_text(), 60, "the wrong clock told why")
+        assert "set this machine's clock (NTP" in late_log.read_text()
 
     done = completed(head)
     wait_for(lambda: completed(head) >= done + 5, 120, "training after the refusals")

@@ -16,7 +16,7 @@ from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
-from tests.helpers import FAST_SWARM, wait_for
+from tests.helpers import FAST_SWARM, wait_for, wrong_clock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -139,21 +139,6 @@ def test_replicas_that_get_no_work_keep_the_round_clock(tmp_path: Path) -> None:
         )
     finally:
         s.stop(grace_s=5)
-
-
-LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
-"""Debian's ``faketime`` package (``.ci/setup-extras.sh`` installs it): preloaded, it shifts
-the clocks a process reads."""
-
-
-def wrong_clock(ahead_s: int) -> tuple[list[str], dict[str, str]]:
-    """Settings and environment for a node whose clock is ``ahead_s`` seconds ahead: the
-    machine's own clock as the process reads it (libfaketime) where installed, else
-    ``node.debug_clock_skew_s`` (the wall clock the schedule reads; signatures keep the
-    true time)."""
-    if LIBFAKETIME.exists():
-        return [], {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": f"+{ahead_s}s"}
-    return ["--set", f"node.debug_clock_skew_s={ahead_s}"], {}
 
 
 def test_a_replica_whose_clock_is_wrong_still_pairs_and_a_survivor_trains_on(
