@@ -5,7 +5,9 @@ to the stage's usual steps per round (``swarm.outer.scale_by_steps``). A replica
 begins serving partway through a round reaches that round's boundary after only part of a
 round's steps, at the usual pace. Counted against a whole round's steps it was read as slow
 and its first solo step moved its slow weights up to 4x too far (in CI the eval loss went
-from 5.13 to 6.47 over the first outer step). These tests step a real runner by hand, put
+from 5.13 to 6.47 over the first outer step). A replica's round begins at its first inner
+step, so a round it spent with no work does not count either. These tests step a real
+runner by hand, put
 the wall clock where the round should be, and check the slow weights against NoLoCo's rule
 written out here.
 """
@@ -108,7 +110,8 @@ def inner_steps(runner: StageRunner, n: int) -> None:
 
 
 async def round_at(sync: StageSync, runner: StageRunner, tasks: list, wall_s: float) -> None:
-    """Pass the boundary before ``wall_s`` and wait for the outer step."""
+    """Pass the boundary before ``wall_s`` and wait for the outer step (or a solo step of
+    nothing, for a replica that had no work)."""
     runner.step_s = STEP_S
     sync.ctx.clock.wall_s = wall_s  # type: ignore[attr-defined]
     before = runner.outer_rounds
@@ -120,10 +123,14 @@ async def round_at(sync: StageSync, runner: StageRunner, tasks: list, wall_s: fl
 
 
 async def test_a_replica_that_began_serving_late_in_a_round_takes_the_published_solo_step() -> None:
-    clock = WallClock(1_000_007.5)  # three quarters into the round that ends at 1_000_010
+    clock = WallClock(999_995.0)
     sync, runner, tasks = lone_replica(clock)
     try:
-        sync.poll()  # begins serving: the boundary behind it (1_000_000) is skipped
+        sync.poll()  # begins serving: the boundary behind it (999_990) is skipped
+        phi = runner.phi.clone()
+        await round_at(sync, runner, tasks, 1_000_000.1)  # no work yet: nothing to step by
+        assert torch.equal(runner.phi, phi)
+        clock.wall_s = 1_000_007.5  # three quarters into the round that ends at 1_000_010
         inner_steps(runner, 1)
         sync.poll()  # as after every compute job: its first inner step begins its round
         assert not tasks

@@ -247,7 +247,8 @@ class StageSync:
         self.last_round = boundary_ms
         period = self._round_period()
         share = round_share(self._round_began_ms, boundary_ms, round((period or 0) * 1000))
-        self._round_began_ms = boundary_ms
+        # the next round begins now, or for a replica that had no work at its next inner step
+        self._round_began_ms = boundary_ms if self.runner.round_steps > 0 else None
         await self.runner.compute(self.runner.begin_outer)
         await self._round("outer", boundary_ms, share)
 
