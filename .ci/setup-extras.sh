@@ -4,7 +4,8 @@
 # run only checks what is already there (a few seconds).
 #
 #   1. apt: prometheus + promtool (tests/test_prometheus.py, tests/test_deploy.py), chromium
-#      (tests/test_page.py), faketime (a wrong system clock, tests/test_sync_processes.py),
+#      (tests/test_page.py), faketime (a wrong system clock: tests/test_sync_processes.py,
+#      tests/test_auth_processes.py),
 #      docker.io + docker-compose + debootstrap + iptables (tests/test_docker.py)
 #   2. a Docker engine: started by hand (setsid dockerd) when `docker info` does not answer
 #   3. stand-in base images (python:3.11-slim, localpython:3.11-slim-torchcpu, debian:bookworm-slim)
@@ -33,7 +34,7 @@ installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install o
 
 # ---- 1. packages
 pkgs=(prometheus chromium faketime)  # chromium: tests/test_page.py renders the swarm's page
-# headless; faketime: tests/test_sync_processes.py gives one node a wrong system clock
+# headless; faketime: the sync and auth process tests give a node a wrong system clock
 [ "${SKIP_DOCKER:-0}" = 1 ] || pkgs+=(docker.io docker-compose debootstrap iptables)
 need=()
 for p in "${pkgs[@]}"; do installed "$p" || need+=("$p"); done

@@ -100,7 +100,7 @@ def round_share(began_ms: int | None, boundary_ms: int, period_ms: int) -> float
     round; over the whole round it would read the replica as slow and enlarge its
     pseudo-gradient up to 4x, an extrapolation that early in training threw the loss above
     its starting value (CI: eval loss 5.13, then 6.47 after the first solo step). Over the
-    part it served, the usual number is this share of a round's."""
+    part it trained in, the usual number is this share of a round's."""
     if began_ms is None or period_ms <= 0:
         return 1.0
     return min(1.0, max(0.0, (boundary_ms - began_ms) / period_ms))

@@ -2,14 +2,13 @@
 
 On the clock schedule a NoLoCo replica's pseudo-gradient is read per inner step and scaled
 to the stage's usual steps per round (``swarm.outer.scale_by_steps``). A replica that
-begins serving partway through a round reaches that round's boundary after only part of a
+begins training partway through a round reaches that round's boundary after only part of a
 round's steps, at the usual pace. Counted against a whole round's steps it was read as slow
 and its first solo step moved its slow weights up to 4x too far (in CI the eval loss went
 from 5.13 to 6.47 over the first outer step). A replica's round begins at its first inner
-step, so a round it spent with no work does not count either. These tests step a real
-runner by hand, put
-the wall clock where the round should be, and check the slow weights against NoLoCo's rule
-written out here.
+step, so a round it spent with no work does not count either. The test steps a real runner
+by hand, puts the wall clock where the round should be, and checks the slow weights
+against NoLoCo's rule written out here.
 """
 
 from __future__ import annotations
@@ -109,11 +108,13 @@ def inner_steps(runner: StageRunner, n: int) -> None:
         runner.block_backward(str(k), torch.randn(2, 8, 128))
 
 
-async def round_at(sync: StageSync, runner: StageRunner, tasks: list, wall_s: float) -> None:
+async def round_at(
+    sync: StageSync, runner: StageRunner, tasks: list, clock: WallClock, wall_s: float
+) -> None:
     """Pass the boundary before ``wall_s`` and wait for the outer step (or a solo step of
     nothing, for a replica that had no work)."""
     runner.step_s = STEP_S
-    sync.ctx.clock.wall_s = wall_s  # type: ignore[attr-defined]
+    clock.wall_s = wall_s
     before = runner.outer_rounds
     sync.poll()
     assert tasks, "no round started at the boundary"
@@ -122,13 +123,15 @@ async def round_at(sync: StageSync, runner: StageRunner, tasks: list, wall_s: fl
     assert runner.outer_rounds == before + 1
 
 
-async def test_a_replica_that_began_serving_late_in_a_round_takes_the_published_solo_step() -> None:
+async def test_a_replica_that_began_training_late_in_a_round_takes_the_published_solo_step() -> (
+    None
+):
     clock = WallClock(999_995.0)
     sync, runner, tasks = lone_replica(clock)
     try:
         sync.poll()  # begins serving: the boundary behind it (999_990) is skipped
         phi = runner.phi.clone()
-        await round_at(sync, runner, tasks, 1_000_000.1)  # no work yet: nothing to step by
+        await round_at(sync, runner, tasks, clock, 1_000_000.1)  # no work yet: nothing to step by
         assert torch.equal(runner.phi, phi)
         clock.wall_s = 1_000_007.5  # three quarters into the round that ends at 1_000_010
         inner_steps(runner, 1)
@@ -137,7 +140,7 @@ async def test_a_replica_that_began_serving_late_in_a_round_takes_the_published_
         inner_steps(runner, 4)  # 2.5 s at 0.5 s a step: the usual pace
         assert runner.round_steps == 5
         phi, theta = runner.phi.clone(), runner._theta().clone()
-        await round_at(sync, runner, tasks, 1_000_010.1)
+        await round_at(sync, runner, tasks, clock, 1_000_010.1)
         # it served a quarter of the round: its usual steps are 5, so the scale is 1 and
         # m = beta * (theta - phi), phi += m (before: 20 usual steps, 4x: phi + 2.8 delta)
         m1 = BETA * (theta - phi)
@@ -148,7 +151,7 @@ async def test_a_replica_that_began_serving_late_in_a_round_takes_the_published_
         # its displacement read per step and scaled 2x, as before
         inner_steps(runner, 10)
         phi, theta = runner.phi.clone(), runner._theta().clone()
-        await round_at(sync, runner, tasks, 1_000_020.2)
+        await round_at(sync, runner, tasks, clock, 1_000_020.2)
         m2 = ALPHA * m1 + BETA * 2.0 * (theta - phi)
         assert torch.allclose(runner.phi, phi + m2, atol=1e-6)
     finally:

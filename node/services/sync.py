@@ -189,6 +189,10 @@ class StageSync:
             self._read_offset()
             if self.config.round_s <= 0:
                 self.period = round_period(self._step_times(), self.config.outer_steps, self.period)
+        return self._period_s()
+
+    def _period_s(self) -> float | None:
+        """The clock schedule's period in use: set, or as last derived (None: not yet)."""
         return self.config.round_s if self.config.round_s > 0 else self.period
 
     def _step_times(self) -> list[float]:
@@ -245,8 +249,8 @@ class StageSync:
 
     async def _clock_round(self, boundary_ms: int) -> None:
         self.last_round = boundary_ms
-        period = self._round_period()
-        share = round_share(self._round_began_ms, boundary_ms, round((period or 0) * 1000))
+        period = self._period_s() or 0.0
+        share = round_share(self._round_began_ms, boundary_ms, round(period * 1000))
         # the next round begins now, or for a replica that had no work at its next inner step
         self._round_began_ms = boundary_ms if self.runner.round_steps > 0 else None
         await self.runner.compute(self.runner.begin_outer)
@@ -278,7 +282,7 @@ class StageSync:
         """On the clock schedule: the stage's usual inner steps in ``share`` of a round (the
         part this replica trained in), the period over the median of its replicas' seconds
         per step, times ``share`` (0 when unknown, or on the steps schedule)."""
-        period = self.period if self.config.round_s <= 0 else self.config.round_s
+        period = self._period_s()
         if not self.clocked or not period:
             return 0.0
         measured = [s for s in self._step_times() if s > 0]
