@@ -127,8 +127,13 @@ def test_a_keyed_swarm_trains_and_refuses_outsiders(swarms: Any, tmp_path: Path)
         late = s.start_node(1, extra=extra, env=env)
         late_log = s.log_dir / f"stage1-{late.rsplit(':', 1)[1]}.log"
         stale = f"bootstrap {head}: refused us (auth_stale: request stamped"
-        wait_for(lambda: stale in late_log.read_text(), 60, "the wrong clock told why")
-        assert "set this machine's clock (NTP" in late_log.read_text()
+        advice = "set this machine's clock (NTP"
+        wait_for(
+            lambda: stale in (text := late_log.read_text()) and advice in text,
+            60,
+            "the wrong clock told why, and what to do",
+            describe=lambda: late_log.read_text()[-1500:],
+        )
 
     done = completed(head)
     wait_for(lambda: completed(head) >= done + 5, 120, "training after the refusals")
