@@ -55,6 +55,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -168,6 +169,17 @@ def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+OUTER_STEP = re.compile(r"noloco outer step \d+: .*; (\d+) inner steps, the stage's usual (\d+)")
+"""A NoLoCo outer step's log line on the clock schedule: its inner steps and the stage's
+usual number it was compared with (``node.services.sync``)."""
+
+
+def steps_and_usual(log_path: Path) -> list[tuple[int, int]]:
+    """Each outer step's (inner steps, the stage's usual) from a node's log, in order."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return [(int(m[1]), int(m[2])) for m in OUTER_STEP.finditer(text)]
+
+
 def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     swarm = LocalSwarm(log_dir, settings(args, schedule))
     try:
@@ -215,8 +227,9 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         }
         total = sum(rounds.values())
         steps = end[name]["step"] - start[name]["step"]
+        stage_no = 1 if name in stage1 else 2
         replicas[name] = {
-            "stage": 1 if name in stage1 else 2,
+            "stage": stage_no,
             "slower": slowdown.get(name, 0),
             "rounds": rounds,
             # met a partner: paired (NoLoCo) or all-reduced (DiLoCo)
@@ -231,6 +244,11 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "round_s": end[name]["round_s"],
             "distance_samples": distances[name],
             "steps_at_samples": steps_at[name],
+            # per outer step: (its inner steps, the stage's usual it was compared with);
+            # equal replicas should read about 1 (swarm.outer.scale_by_steps)
+            "steps_and_usual": steps_and_usual(
+                log_dir / f"stage{stage_no}-{everyone[name].rsplit(':', 1)[1]}.log"
+            ),
         }
     stages = {}
     for stage_no, members in ((1, list(stage1)), (2, list(stage2))):
@@ -242,6 +260,14 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "min_paired_share": min(replicas[n]["paired_share"] for n in members),
             "schedule_place_range": max(replicas[n]["schedule_step"] for n in members)
             - min(replicas[n]["schedule_step"] for n in members),
+            # the stage's usual steps over a replica's own, per outer step past its first:
+            # the factor its displacement was scaled by when above 1 (at most 4)
+            "usual_over_steps": sorted(
+                usual / steps
+                for n in members
+                for steps, usual in replicas[n]["steps_and_usual"][1:]
+                if steps
+            ),
         }
     fast = statistics.mean(replicas[n]["steps_per_s"] for n in ("fast-a", "fast-b"))
     result = {
@@ -277,9 +303,19 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         "; second half "
         f"{result.get('spread_ratio_second_half', math.nan):.2f}); fast/slow4 steps "
         f"{result['fast_over_slowest_steps']:.1f}; stage 1 places {s1['schedule_place_range']:.1f} "
-        "steps apart"
+        "steps apart; equal stage's usual/own steps per round: "
+        + ", ".join(f"{x:.2f}" for x in quantiles(s2["usual_over_steps"]))
+        + " (10th, 50th, 90th percentile)"
     )
     return result
+
+
+def quantiles(xs: list[float]) -> list[float]:
+    """The 10th, 50th and 90th percentiles of ``xs`` (nan when fewer than two)."""
+    if len(xs) < 2:
+        return [math.nan] * 3
+    deciles = statistics.quantiles(xs, n=10)
+    return [deciles[0], statistics.median(xs), deciles[-1]]
 
 
 def ratio_interval(

@@ -75,8 +75,9 @@ class PeerRecord:
     movable: bool = False
     """True for a ``--stage auto`` block-stage peer that rebalancing may move."""
     step_s: float = 0.0
-    """The peer's seconds per inner optimizer step (moving average), 0 until measured: its
-    stage derives the period of its outer rounds from it (``swarm.schedule``)."""
+    """The peer's seconds per inner optimizer step, wall-clock time over its last rounds
+    (``swarm.schedule.Pace``), 0 until measured: its stage derives the period of its outer
+    rounds and its usual inner steps per round from it (``swarm.schedule``)."""
     relays: list[str] = field(default_factory=list)
     """Addresses of the peers relaying for this one (empty: dial it directly); a sender tries
     the first few (``node.net.relay.MAX_RELAYS``)."""

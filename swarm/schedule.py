@@ -30,10 +30,13 @@ which is how hivemind's collaborative optimizer ends an epoch too (a global samp
 not per-peer steps). With equal replicas the two schedules coincide: ``P`` is ``H`` steps.
 
 ``P`` is either set (``sync.round_s``) or derived: ``H`` times the median of the stage's
-published seconds per inner step, rounded up to a power of two seconds (at least ``MIN_PERIOD_S``). Powers of two make
-the grids of two replicas that briefly disagree about ``P`` nest (every boundary of the
-coarser grid is one of the finer), so they still meet; hysteresis keeps ``P`` from
-flip-flopping when the median sits near a power of two.
+published seconds per inner step, rounded up to a power of two seconds (at least
+``MIN_PERIOD_S``). Powers of two make the grids of two replicas that briefly disagree about
+``P`` nest (every boundary of the coarser grid is one of the finer), so they still meet;
+hysteresis keeps ``P`` from flip-flopping when the median sits near a power of two. A
+replica's seconds per inner step is its ``Pace``: wall-clock time over steps in the last
+two rounds, the time its rounds spent matchmaking and exchanging included, so the period
+over the stage's median pace is the steps a replica of the stage usually takes in a round.
 
 Pure policy: numbers in, numbers out; the caller passes ``now``.
 """
@@ -104,6 +107,62 @@ def round_share(began_ms: int | None, boundary_ms: int, period_ms: int) -> float
     if began_ms is None or period_ms <= 0:
         return 1.0
     return min(1.0, max(0.0, (boundary_ms - began_ms) / period_ms))
+
+
+PACE_ROUNDS = 2
+"""A replica's pace is measured over this many rounds' time."""
+PACE_WINDOW_S = 120.0
+"""The pace's window while the round period is not known (or on the steps schedule)."""
+
+
+class Pace:
+    """A replica's pace: wall-clock seconds per inner step over its last ``window_s``.
+
+    Owns the times of the replica's inner steps in the window, and one before it (the
+    anchor the window is measured from). ``seconds_per_step`` is the time from the anchor to
+    the latest step over the steps taken after the anchor, in units of ``step_samples``
+    samples (a ``2bw`` step counts ``k``). Does not own the window's length: the caller
+    sets ``window_s`` (``PACE_ROUNDS`` round periods, once the period is known).
+
+    Why a window of wall-clock time, not a moving average of single steps: the stage's usual
+    steps per round, which NoLoCo on the clock compares a replica's steps with
+    (``swarm.outer.scale_by_steps``), is the period over the median pace. An average of the
+    last few step times left out the time a round spends matchmaking and exchanging (the
+    optimizer is held meanwhile), so equal replicas took fewer steps than their "usual" and
+    had their displacements enlarged by ``P / (P - exchange)``; and one long step (an eval on
+    the head, a loaded machine) just before a boundary moved it several-fold (73 steps taken
+    against a usual 40). Steps counted over two rounds' time are what a replica of that
+    pace takes in a round, exchanges, stalls and all, and a stall moves them by its share of
+    the window only.
+
+    A gap longer than the whole window (no step at all) is not a pace: the replica had no
+    work (its pipeline broken, a stage move). The window restarts at the next step and the
+    last estimate stands until a second step measures again.
+    """
+
+    def __init__(self, window_s: float = PACE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.seconds_per_step = 0.0
+        """Wall-clock seconds per unit of inner steps over the window; 0 until measured."""
+        self._steps: deque[tuple[float, int]] = deque()
+        """(when, units) of each step in the window, oldest first; the first is the anchor."""
+        self._units = 0
+        """Units of the steps after the anchor."""
+
+    def step(self, now: float, units: int = 1) -> float:
+        """Record an inner step of ``units`` at ``now`` (monotonic seconds); the new pace."""
+        if self._steps and now - self._steps[-1][0] > self.window_s:
+            self._steps.clear()
+            self._units = 0
+        if self._steps:
+            self._units += units
+        self._steps.append((now, units))
+        while len(self._steps) >= 2 and self._steps[1][0] <= now - self.window_s:
+            self._steps.popleft()
+            self._units -= self._steps[0][1]  # the new anchor's units are before the window
+        if self._units > 0:
+            self.seconds_per_step = (now - self._steps[0][0]) / self._units
+        return self.seconds_per_step
 
 
 CLOCK_SAMPLES = 8

@@ -1,10 +1,13 @@
 """The clock schedule of outer rounds (``swarm.schedule``) against hand-computed values."""
 
+import random
+
 import pytest
 
 from swarm.schedule import (
     CLOCK_SAMPLE_TTL_S,
     ClockOffsets,
+    Pace,
     next_boundary,
     power_of_two_at_least,
     round_period,
@@ -155,3 +158,84 @@ def test_a_rounds_share_is_the_part_of_it_a_replica_trained_in() -> None:
     assert round_share(0, 128_000, period) == 1.0  # a boundary missed: still at most one
     assert round_share(128_500, 128_000, period) == 0.0  # a stage clock read back a little
     assert round_share(64_000, 128_000, 0) == 1.0
+
+
+def paced(times: list[float], window_s: float, units: int = 1) -> Pace:
+    pace = Pace(window_s)
+    for t in times:
+        pace.step(t, units)
+    return pace
+
+
+def test_a_pace_is_wall_time_over_the_steps_after_the_last_step_before_its_window() -> None:
+    assert paced([0, 1, 2, 3, 4], 10).seconds_per_step == 1.0  # from the first step: 4 s, 4
+    # steps at 0, 3, 4, 9, 10 and a 5 s window at 10: the anchor is the step at 4 (the last
+    # at or before 10 - 5), after it 2 steps in 6 s
+    assert paced([0, 3, 4, 9, 10], 5).seconds_per_step == 3.0
+    assert paced([0], 5).seconds_per_step == 0.0  # one step measures nothing
+    # a 2bw step counts its units: 4 units 8 s after the first step, 2 s a unit
+    assert paced([100, 108], 120, units=4).seconds_per_step == 2.0
+
+
+def test_a_rounds_exchange_counts_so_the_usual_steps_are_those_a_round_holds() -> None:
+    # 10 s rounds: 8 steps a second apart, then the exchange holds the optimizer 3 s; the
+    # window is two rounds (the stage service sets it so)
+    times, t = [], 0.0
+    for _ in range(6):
+        for _ in range(8):
+            t += 1.0
+            times.append(t)
+        t += 2.0  # the 9th and 10th second: the step after the exchange comes 3 s after
+    pace = paced(times, 20.0)
+    assert pace.seconds_per_step == pytest.approx(20 / 16)  # 16 steps in the last 20 s
+    assert 10 / pace.seconds_per_step == pytest.approx(8)  # the steps a round really holds
+    # (the old average of the last step times read about 1.0 s: a usual 10, and every
+    # equal replica's displacement enlarged 10 / 8 = 1.25x)
+
+
+def test_a_stall_moves_the_pace_by_its_share_of_the_window_only() -> None:
+    # two minutes of 1 s steps, then one step that took 21 s (an eval on the head): over a
+    # 128 s window the anchor is the step at 13 (the last at or before 141 - 128), after it
+    # 108 steps (14 to 120, and 141) in 128 s
+    times = [float(t) for t in range(121)] + [141.0]
+    pace = paced(times, 128.0)
+    assert pace.seconds_per_step == pytest.approx(128 / 108)
+    # (the old average, 0.8 of the last reading and 0.2 of the step, read 0.8 + 4.2 = 5.0)
+
+
+def test_a_gap_longer_than_the_window_is_not_a_pace() -> None:
+    pace = paced([0, 1, 2, 3], 10)
+    assert pace.step(100) == 1.0  # no work for 97 s: the estimate stands, the window restarts
+    assert pace.step(102) == 2.0  # measured again from the step at 100
+
+
+def brute_pace(steps: list[tuple[float, int]], window_s: float) -> float:
+    """The pace after the last of ``steps`` by its definition: over the run of steps since
+    the last gap longer than the window, from the last step at or before ``now - window``
+    (or the run's first) to ``now``, per unit taken after it; the last such value measured."""
+    last = 0.0
+    for end in range(len(steps)):
+        run_start = 0
+        for i in range(1, end + 1):
+            if steps[i][0] - steps[i - 1][0] > window_s:
+                run_start = i
+        now = steps[end][0]
+        run = steps[run_start : end + 1]
+        anchor = max((i for i, (t, _) in enumerate(run) if t <= now - window_s), default=0)
+        units = sum(u for _, u in run[anchor + 1 :])
+        if units:
+            last = (now - run[anchor][0]) / units
+    return last
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_pace_agrees_with_its_definition_on_random_steps(seed: int) -> None:
+    rng = random.Random(seed)
+    window_s = rng.choice([5.0, 20.0, 64.0])
+    steps, t, pace = [], 0.0, Pace(window_s)
+    for _ in range(rng.randrange(1, 200)):
+        t += rng.choice([rng.expovariate(1.0), rng.uniform(0, 3 * window_s)])
+        units = rng.choice([1, 1, 4])
+        steps.append((t, units))
+        got = pace.step(t, units)
+        assert got == pytest.approx(brute_pace(steps, window_s), rel=1e-9)

@@ -41,7 +41,7 @@ from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingC
 from protocol.quant import tensor_bytes
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
-from swarm.schedule import round_period, round_share
+from swarm.schedule import PACE_ROUNDS, round_period, round_share
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
 
@@ -189,6 +189,8 @@ class StageSync:
             self._read_offset()
             if self.config.round_s <= 0:
                 self.period = round_period(self._step_times(), self.config.outer_steps, self.period)
+            if period := self._period_s():  # the pace's window: the last rounds
+                self.runner.pace.window_s = PACE_ROUNDS * period
         return self._period_s()
 
     def _period_s(self) -> float | None:

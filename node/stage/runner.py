@@ -55,6 +55,7 @@ from swarm.outer import (
     pair_position,
     shared_position,
 )
+from swarm.schedule import Pace
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -181,9 +182,13 @@ class StageRunner:
         """``step`` at the last outer step: the inner steps of the current round follow it."""
         self._place_at_outer = 0.0
         """``schedule_step`` just after the last outer step (``_round_place``)."""
+        self.pace = Pace()
+        """This replica's pace over its last rounds (the stage service sets the window)."""
         self.step_s = 0.0
-        """Seconds per inner step (moving average; rounds excluded), 0 until measured."""
-        self._last_step_t: float | None = None
+        """Wall-clock seconds per inner step, in units of ``step_samples`` samples, over
+        the pace's window (its rounds' exchanges and any stalls included), 0 until measured."""
+        self.monotonic = time.monotonic
+        """The clock step times are read from."""
         self.lr_scale = 1.0
         """Multiplier of the scheduled learning rate: CheckFree's boost after a rebuild."""
         self.lr_scale_until = -1
@@ -438,12 +443,8 @@ class StageRunner:
         return True
 
     def _time_step(self) -> None:
-        """Update ``step_s`` with the time since the previous step (or since a round ended)."""
-        now = time.monotonic()
-        if self._last_step_t is not None:
-            elapsed = (now - self._last_step_t) / self.step_units  # per step_samples samples
-            self.step_s = elapsed if not self.step_s else 0.8 * self.step_s + 0.2 * elapsed
-        self._last_step_t = now
+        """Count this step in the pace; ``step_s`` is the new pace (``swarm.schedule.Pace``)."""
+        self.step_s = self.pace.step(self.monotonic(), self.step_units)
 
     # ---- outer synchronisation (NoLoCo, DiLoCo, data parallel) ----------------------------
 
@@ -584,7 +585,6 @@ class StageRunner:
             self.outer_rounds += 1
             self._outer_at_step = self.step
             self._place_at_outer = self.schedule_step
-        self._last_step_t = time.monotonic()  # a round's wait is not an inner step's time
         self._maybe_step()
 
     def _observe_logits(self, on: bool) -> None:
