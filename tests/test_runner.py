@@ -445,3 +445,16 @@ def test_2bw_outer_round_comes_due_when_a_coarse_step_crosses_its_boundary() -> 
     assert r.step_s == 2.0  # the clock schedule's period: H units, not H coarse steps
     r.finish_sync(True)
     assert r.outer_rounds == 1 and r.round_steps == 0
+
+
+@pytest.mark.parametrize("flush", [True, False])
+async def test_the_compute_thread_flushes_subnormal_floats_to_zero_when_set(flush: bool) -> None:
+    settings = {"node.flush_denormal": str(flush).lower()}
+    r = StageRunner(resolve_config(None, {}, settings), 1)
+    await r.start()  # builds the stage on its compute thread, which sets the flag
+    try:
+        product = await r.compute(lambda: float(torch.tensor([1e-39]) * 1.0))
+    finally:
+        r.close()
+    # 1e-39 is subnormal in fp32: flushed, the product is 0; kept, about 1e-39
+    assert product == 0.0 if flush else product == pytest.approx(1e-39, rel=1e-3)

@@ -46,6 +46,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from node.config import Config, TrainConfig
 from node.stage.model import Attention, BlockStage, HeadStage, build_stage
 from node.stage.outer import Encoded, Offer, OuterState, is_place
+from node.stage.speed import configure_compute_thread
 from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
 from swarm.outer import (
@@ -218,7 +219,7 @@ class StageRunner:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
-        torch.set_num_threads(self.config.node.threads)
+        configure_compute_thread(self.config)
         c = self.config
         self.module = build_stage(c.model, c.swarm.num_block_stages, self.stage, c.swarm.seed)
         self.module.to(self.device)

@@ -43,9 +43,18 @@ def speed_key(config: Config) -> str:
     )
 
 
+def configure_compute_thread(config: Config) -> None:
+    """Set the calling thread up for a stage's compute, training and measuring alike:
+    torch's intra-op threads (``node.threads``) and subnormal floats flushed to zero or not
+    (``node.flush_denormal``; the CPU's flag is per thread, and threads started from this
+    one inherit it)."""
+    torch.set_num_threads(config.node.threads)
+    torch.set_flush_denormal(config.node.flush_denormal)
+
+
 def measure_block_rate(config: Config, budget_s: float) -> float:
     """Samples per second of forward plus backward through one block stage, undelayed."""
-    torch.set_num_threads(config.node.threads)
+    configure_compute_thread(config)
     device = torch.device(config.node.device)
     stage = build_stage(config.model, config.swarm.num_block_stages, 1, config.swarm.seed)
     stage.to(device)
