@@ -3,10 +3,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def add_output_args(p: argparse.ArgumentParser, stem: str) -> None:
+    """Where a benchmark writes: ``--out`` (a folder), ``--name`` (the files' stem) and
+    ``--no-plot`` (JSON only)."""
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder (default bench/results)")
+    p.add_argument("--name", default="", help=f"results file stem (default {stem})")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
 
 
 def save(

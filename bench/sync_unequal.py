@@ -65,13 +65,12 @@ from typing import Any
 
 import torch
 
-from bench import save
+from bench import add_output_args, save
 from bench.convergence_sim import distances_from_mean
 from node.client import fetch_status, request_eval
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 
-RESULTS = Path(__file__).parent / "results"
 VARIANTS = {
     "steps": {"sync.schedule": "steps"},
     "clock": {"sync.schedule": "clock"},
@@ -401,9 +400,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=8)
     p.add_argument("--sample-s", type=float, default=60.0, help="seconds between spread samples")
     p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--name", default="", help="results file stem (default sync_unequal)")
-    p.add_argument("--no-plot", action="store_true")
+    add_output_args(p, "sync_unequal")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out")
     args = p.parse_args(argv)
     if args.quick:
