@@ -265,9 +265,9 @@ class SyncConfig:
     replica's place in the inner learning-rate schedule advances by the stage's usual steps
     per round, not by its own inner steps, before it is averaged with the partner's, so
     replicas of unequal speed stay at one place. Off by default: in one process it lowered
-    eval loss by 0.9 %, but the usual steps are estimated from measured step times, and in
-    the demo (one replica a stage) that estimate fell short of the steps taken, so the
-    places lagged in the warm-up and eval loss ended 5.7 % higher (``bench/README.md``)."""
+    eval loss by 0.9 %; in the demo (one replica a stage) it cost 5.7 % while the usual
+    steps were an average of the last step times, and nothing measurable in one run since
+    they are counted over the last rounds (``bench/README.md``)."""
     decay_momentum: bool = False
     """NoLoCo on the clock schedule: at each outer step a replica that took fewer inner
     steps than the stage's usual number decays its inner Adam's first moment by beta1 to
