@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ def log(msg: str) -> None:
     print(f"[denormal {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
 
 
-def rate(progress: list[tuple[int, int]], start_s: float, end_s: float) -> float | None:
+def rate(progress: Sequence[Sequence[int]], start_s: float, end_s: float) -> float | None:
     """Steps per second between the progress lines nearest ``start_s`` and ``end_s``."""
     inside = [(t, s) for t, s in progress if start_s <= t <= end_s]
     if len(inside) < 2 or inside[-1][0] == inside[0][0]:
@@ -56,7 +57,8 @@ def run_demo(flush: bool, args: argparse.Namespace) -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"demo exited {done.returncode}: {done.stderr[-2000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    progress = [(int(t), int(s)) for t, s in PROGRESS.findall(done.stdout + done.stderr)]
+    # lists, not tuples: the result reads back from its JSON the same
+    progress = [[int(t), int(s)] for t, s in PROGRESS.findall(done.stdout + done.stderr)]
     end = progress[-1][0] if progress else 0
     window = min(60.0, end / 2)
     first, last = rate(progress, 0, window), rate(progress, end - window, end)
