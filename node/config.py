@@ -62,8 +62,8 @@ class NodeConfig:
     """Flush subnormal floats (below about 1e-38 in fp32) to zero on the compute thread.
     CPUs compute with them many times slower, and training makes more of them as it goes:
     without the flush the demo's swarm lost a third of its steps per second within four
-    minutes, and with it ran 1.55x faster by then (``bench/denormal.py``). A flushed subnormal is a value far below
-    anything the model's weights or gradients hold; false keeps IEEE arithmetic exactly."""
+    minutes, and with it ran 1.55x faster by then (``bench/denormal.py``). The flush
+    changes only values below about 1e-38 in magnitude; false keeps IEEE arithmetic."""
     state_dir: str = ""
     """Directory for this node's identity and state; empty: a fresh identity each start."""
     init_dir: str = ""
