@@ -71,6 +71,8 @@ def format_status(st: dict[str, Any]) -> str:
         offset = sync.get("clock_offset_s") or 0.0
         if abs(offset) >= 1.0:
             every += f" of the stage's clock ({offset:+.1f}s from this machine's)"
+        if sync.get("clock_restarts"):
+            every += f", restarted {sync['clock_restarts']}x after the clock was set back"
         lines.append(
             f"  sync {sync['method']}{every}: {sync['outer_steps']} outer steps ({rounds}), "
             f"{per:.2f}s per round, spread to last partner {spread}, "

@@ -462,6 +462,12 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         "moved only that far.",
         sync.get("places_clamped", 0),
     )
+    yield _counter(
+        "murmur_sync_clock_restarts",
+        "Times outer rounds restarted from a stage clock that stayed set back (a replica's "
+        "wall clock was set back; with two replicas each moves halfway).",
+        sync.get("clock_restarts", 0),
+    )
     if "in_progress" in sync:
         yield _gauge(
             "murmur_sync_in_progress",

@@ -242,6 +242,14 @@ class GossipService:
         outcome.num_sent += self._sent_as_acceptor
         return outcome
 
+    def rewind(self, round_: int) -> None:
+        """The stage's clock was set back and its rounds restart from ``round_`` (a grid
+        boundary): rounds after it may be sought again, and a request for one is held until
+        this replica reaches it, as for any round ahead. Between rounds only."""
+        assert not self.seeking, "rewound while seeking a partner"
+        self.completed = min(self.completed, round_)
+        self._round = min(self._round, round_)
+
     async def _keep_promise(self, partner: asyncio.Future[tuple[str, Contribution]]) -> None:
         """Wait for the contribution of the replica we promised to; release the promise if
         it does not come in time (the proposer gave up, or died)."""

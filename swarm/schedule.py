@@ -175,6 +175,15 @@ between two samples means the wall clock was set (by NTP, or by hand): every sam
 before is dropped, as it measured the old setting."""
 
 
+def _disagrees(best: tuple[float, float, float], rtt: float, offset: float) -> bool:
+    """Whether a new sample (round trip ``rtt``, ``offset``) cannot measure the same clock
+    setting as a peer's ``best`` sample: each puts the offset within half its round trip of
+    its estimate, so two samples of one setting differ by at most half the sum of the round
+    trips; more than that plus ``CLOCK_STEP_S`` means the peer's clock was set between them."""
+    _, best_rtt, best_offset = best
+    return abs(offset - best_offset) > (rtt + best_rtt) / 2 + CLOCK_STEP_S
+
+
 class ClockOffsets:
     """How far other machines' wall clocks are from this one's, and the stage's clock.
 
@@ -183,7 +192,10 @@ class ClockOffsets:
     peer's, the peer's clock is ahead of this one by ``t1 - (t0 + t3) / 2``, give or take
     half the round trip (NTP's on-wire estimate, RFC 5905); of a peer's samples the one with
     the shortest round trip counts (NTP's clock filter: the least delayed is the least
-    wrong). Does not own the requests (``swarm.membership`` feeds it from its pings) nor
+    wrong). A new sample that cannot measure the same setting of the peer's clock as that
+    one (``_disagrees``) means the peer's clock was set: its older samples are dropped, so
+    the estimate moves at once rather than between the old and the new setting for up to
+    ``CLOCK_SAMPLES`` pings. Does not own the requests (``swarm.membership`` feeds it from its pings) nor
     which peers form the stage (the caller names them).
 
     ``stage_offset_s``: the median of the offsets of the named peers and of this machine
@@ -200,6 +212,8 @@ class ClockOffsets:
         """This machine's wall clock minus its monotonic clock at the last sample."""
         self.steps = 0
         """Times this machine's wall clock was seen set (every sample dropped)."""
+        self.peer_steps = 0
+        """Times a peer's clock was seen set (that peer's samples dropped)."""
 
     def observe(
         self, peer_id: str, sent_s: float, peer_s: float, received_s: float, now: float
@@ -214,8 +228,12 @@ class ClockOffsets:
             self._samples.clear()  # our clock was set since: the old samples measured it
             self.steps += 1
         self._base = base
+        offset = peer_s - (sent_s + received_s) / 2
         samples = self._samples.setdefault(peer_id, deque(maxlen=CLOCK_SAMPLES))
-        samples.append((now, rtt, peer_s - (sent_s + received_s) / 2))
+        if samples and _disagrees(min(samples, key=lambda s: s[1]), rtt, offset):
+            samples.clear()  # the peer's clock was set since: its old samples measured it
+            self.peer_steps += 1
+        samples.append((now, rtt, offset))
 
     def offset_s(self, peer_id: str, now: float) -> float | None:
         """How far ``peer_id``'s clock is ahead of this one (negative: behind), or None

@@ -105,6 +105,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_sync_in_progress": ("gauge", set()),
     "murmur_sync_promises_lapsed": ("counter", set()),
     "murmur_sync_places_clamped": ("counter", set()),
+    "murmur_sync_clock_restarts": ("counter", set()),
     "murmur_replica_spread_rms": ("gauge", set()),
     "murmur_clock_offset_seconds": ("gauge", set()),
     "murmur_recoveries": ("counter", {"kind"}),

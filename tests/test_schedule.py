@@ -150,6 +150,23 @@ def test_when_this_machines_clock_is_set_the_samples_of_the_old_setting_go() -> 
     assert clocks.steps == 1 and clocks.offset_s("p", 7.0) == pytest.approx(3610.0)
 
 
+def test_when_a_peers_clock_is_set_its_samples_of_the_old_setting_go() -> None:
+    """The peer reads 10 s ahead (round trip 0.02 s). Its clock is then set back an hour: a
+    sample with a 0.5 s round trip reads 3590 s behind. Both cannot measure one setting
+    (they differ by 3600 s, more than (0.02 + 0.5) / 2 + 1), so the old one goes; kept, its
+    shorter round trip would have said +10 for up to seven more pings. A sample 0.8 s off
+    with a 0.1 s round trip is noise within the bound, not a step."""
+    clocks = ClockOffsets()
+    clocks.observe("p", 99.99, 110.0, 100.01, now=0.0)
+    clocks.observe("p", 104.95, 115.8, 105.05, now=5.0)
+    assert clocks.offset_s("p", 6.0) == pytest.approx(10.0) and clocks.peer_steps == 0
+    clocks.observe("p", 109.75, 120.0 - 3600.0, 110.25, now=10.0)
+    assert clocks.offset_s("p", 11.0) == pytest.approx(-3590.0)
+    assert clocks.peer_steps == 1 and clocks.steps == 0
+    clocks.observe("p", 114.99, 125.0 - 3600.0, 115.01, now=15.0)  # the new setting holds
+    assert clocks.offset_s("p", 16.0) == pytest.approx(-3590.0) and clocks.peer_steps == 1
+
+
 def test_a_rounds_share_is_the_part_of_it_a_replica_trained_in() -> None:
     period = 64_000
     assert round_share(None, 128_000, period) == 1.0  # not known: a whole round

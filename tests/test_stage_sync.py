@@ -26,7 +26,7 @@ import torch
 from node.config import resolve_config
 from node.context import NodeContext, NodeState
 from node.services.guard import RequestGuard
-from node.services.sync import StageSync
+from node.services.sync import CLOCK_BACK_WAIT_S, StageSync
 from node.stage.runner import StageRunner
 from protocol.messages import Message
 from swarm.peers import PeerTable
@@ -154,5 +154,61 @@ async def test_a_replica_that_began_training_late_in_a_round_takes_the_published
         await round_at(sync, runner, tasks, clock, 1_000_020.2)
         m2 = ALPHA * m1 + BETA * 2.0 * (theta - phi)
         assert torch.allclose(runner.phi, phi + m2, atol=1e-6)
+    finally:
+        runner.close()
+
+
+class SetClock(WallClock):
+    """A monotonic clock the test sets too."""
+
+    def __init__(self, wall_s: float) -> None:
+        super().__init__(wall_s)
+        self.mono_s = 0.0
+
+    def now(self) -> float:
+        return self.mono_s
+
+
+async def test_rounds_restart_from_a_stage_clock_that_stays_set_back() -> None:
+    """Rounds on 10 s boundaries, the last at 1_000_010. The stage's clock then reads half
+    an hour back (of two replicas, one set back an hour: each moves halfway). Rounds only
+    move forward, so before the fix the replica waited for 1_000_020 again: half an hour
+    without an outer step. Now a clock back for less than CLOCK_BACK_WAIT_S (a replica's own
+    clock, set and then measured against its partners' again) resumes where it was; one
+    that stays back restarts the rounds from its reading, the next boundary ten seconds on."""
+    clock = SetClock(1_000_005.0)
+    sync, runner, tasks = lone_replica(clock)
+    try:
+        sync.poll()
+        inner_steps(runner, 2)
+        sync.poll()
+        await round_at(sync, runner, tasks, clock, 1_000_010.1)
+        assert sync.last_round == 1_000_010_000
+
+        # back briefly: no round, and the old grid resumes when it comes forward again
+        clock.wall_s = 1_000_012.0 - 1800
+        sync.poll()
+        clock.mono_s += CLOCK_BACK_WAIT_S - 1
+        sync.poll()
+        assert not tasks and sync.clock_restarts == 0
+        clock.wall_s = 1_000_015.0
+        sync.poll()
+        assert not tasks and sync.last_round == 1_000_010_000
+        await round_at(sync, runner, tasks, clock, 1_000_020.1)
+
+        # back for good: after CLOCK_BACK_WAIT_S the rounds restart from the new reading
+        back = 1_000_021.0 - 1800
+        clock.wall_s = back
+        sync.poll()
+        clock.mono_s += CLOCK_BACK_WAIT_S
+        clock.wall_s = back + CLOCK_BACK_WAIT_S
+        sync.poll()
+        assert not tasks and sync.clock_restarts == 1
+        assert sync.last_round == 998_250_000  # the boundary behind the reading
+        assert sync.status()["clock_restarts"] == 1
+        inner_steps(runner, 2)
+        before = runner.outer_rounds
+        await round_at(sync, runner, tasks, clock, 998_260.1)  # the next: ten seconds on
+        assert runner.outer_rounds == before + 1 and sync.rounds["solo"] >= 3
     finally:
         runner.close()

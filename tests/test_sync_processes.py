@@ -16,7 +16,7 @@ from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
-from tests.helpers import FAST_SWARM, wait_for, wrong_clock
+from tests.helpers import FAST_SWARM, LIBFAKETIME, wait_for, wrong_clock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -193,5 +193,61 @@ def test_a_replica_whose_clock_is_wrong_still_pairs_and_a_survivor_trains_on(
         )
         assert fetch_status(head)["counters"]["microbatches_completed"] >= done_then + 10
         assert sync_of(right)["rounds"].get("solo", 0) >= 1
+    finally:
+        s.stop(grace_s=5)
+
+
+@pytest.mark.skipif(not LIBFAKETIME.exists(), reason="needs libfaketime (.ci/setup-extras.sh)")
+def test_two_replicas_pair_again_soon_after_one_machines_clock_is_set_back(
+    tmp_path: Path,
+) -> None:
+    """Two replicas of one block stage on 4 s rounds pair. Then one machine's wall clock is
+    set back ten minutes (libfaketime reads the setting from a file; its monotonic clock
+    goes on, as when a clock is set). Each replica moves halfway to the median of the two
+    clocks, so the stage's clock reads five minutes back on both. Rounds only moved
+    forward, so both waited those five minutes for their next outer step. Now they restart
+    from the new reading after about 30 s (``CLOCK_BACK_WAIT_S``) and pair again."""
+    setting = tmp_path / "faketime"
+    setting.write_text("+0s\n")
+    env = {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME_TIMESTAMP_FILE": str(setting),
+        "FAKETIME_CACHE_DURATION": "1",  # seconds between readings of the file
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+    s = LocalSwarm(tmp_path, {**BASE, "swarm.num_block_stages": "1", "sync.round_s": "4"})
+    try:
+        head = s.start_node(0)
+        right = s.start_node(1)
+        wrong = s.start_node(1, env=env)
+        replicas = (right, wrong)
+        for a in (head, *replicas):
+            wait_ready(a, 90, s)
+        wait_for(
+            lambda: all(sync_of(a)["rounds"].get("paired", 0) >= 3 for a in replicas),
+            120,
+            "3 paired rounds on each replica",
+        )
+        setting.write_text("-600s\n")
+        set_at = time.monotonic()
+        wait_for(
+            lambda: all(sync_of(a)["clock_restarts"] >= 1 for a in replicas),
+            120,
+            "both replicas' rounds restarted",
+        )
+        paired = {a: sync_of(a)["rounds"].get("paired", 0) for a in replicas}
+        wait_for(
+            lambda: all(sync_of(a)["rounds"].get("paired", 0) >= paired[a] + 3 for a in replicas),
+            60,
+            "3 more paired rounds on each replica",
+        )
+        took_s = time.monotonic() - set_at
+        stats = {a: sync_of(a) for a in replicas}
+        print(f"paired again {took_s:.0f} s after the clock was set back:", stats)
+        assert stats[right]["clock_offset_s"] == pytest.approx(-300.0, abs=2.0)
+        assert stats[wrong]["clock_offset_s"] == pytest.approx(300.0, abs=2.0)
+        assert took_s < 150  # the old wait was 300 s
+        logs = "".join(p.read_text() for p in s.log_dir.glob("stage1-*.log"))
+        assert "outer rounds restart from it" in logs
     finally:
         s.stop(grace_s=5)

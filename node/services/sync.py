@@ -79,7 +79,11 @@ class StageSync:
         self.offset_s = 0.0
         """The stage's clock minus this machine's, as last read (seconds)."""
         self._told_offset_s = 0.0
-        self._told_back = -1
+        self._back_since: float | None = None
+        """Since when (monotonic) the stage's clock has read more than a round before the
+        last round taken (``_clock_went_back``)."""
+        self.clock_restarts = 0
+        """Times the rounds restarted from a stage clock that was set back."""
         self.stage = runner.stage
         self.config = ctx.config.sync
         self.method = self.config.method
@@ -217,15 +221,42 @@ class StageSync:
         if self.last_round < 0:
             self.last_round = latest
             return None
-        if latest < self.last_round - period_ms and self._told_back != self.last_round:
-            self._told_back = self.last_round  # once per stall
+        if latest < self.last_round - period_ms:
+            self._clock_went_back(latest, period)
+            return None
+        self._back_since = None
+        return latest if latest > self.last_round else None
+
+    def _clock_went_back(self, latest: int, period: float) -> None:
+        """The stage's clock reads more than a round before the last round taken (a
+        replica's clock was set back). A clock that comes forward again within
+        ``max(CLOCK_BACK_WAIT_S, period)`` (this machine's own, set and then measured
+        against its partners' again) resumes the rounds where they were; one that stays
+        back (two replicas, one set back an hour, each moved halfway) restarts them from
+        where it now reads, as a replica that begins serving does, instead of waiting out
+        the whole step."""
+        now = self.ctx.clock.now()
+        back_s = (self.last_round - latest) / 1000
+        if self._back_since is None:
+            self._back_since = now
             log.warning(
                 "clock: stage %d's clock went back %.0f s (a replica's clock was set back); "
-                "outer rounds resume once it passes the last round's boundary",
+                "outer rounds restart from its new reading if it stays back for %.0f s",
                 self.stage,
-                (self.last_round - latest) / 1000,
+                back_s,
+                max(CLOCK_BACK_WAIT_S, period),
             )
-        return latest if latest > self.last_round else None
+        elif now - self._back_since >= max(CLOCK_BACK_WAIT_S, period):
+            log.warning(
+                "clock: stage %d's clock stayed %.0f s back; outer rounds restart from it",
+                self.stage,
+                back_s,
+            )
+            self._back_since = None
+            self.clock_restarts += 1
+            self.last_round = latest
+            self.gossip.rewind(latest)
+            self._round_began_ms = latest if self.runner.round_steps > 0 else None
 
     def _stage_ms(self) -> int:
         """The stage's clock, ms since the epoch, on which its rounds' grid lies: this
@@ -447,8 +478,14 @@ class StageSync:
             "promises_lapsed": self.gossip.num_lapsed,
             "places_clamped": self.runner.places_clamped,
             "clock_offset_s": round(self.offset_s, 3),
+            "clock_restarts": self.clock_restarts,
         }
 
+
+CLOCK_BACK_WAIT_S = 30.0
+"""How long the stage's clock may read more than a round before the last round taken before
+the rounds restart from it (or one period, if longer): time for a replica whose own clock
+was set to measure its partners' again, after which its stage clock comes forward."""
 
 CLOCK_SKEW_MS = 2000
 """How far ahead of this node's clock a partner's round may be: a boundary further in the
