@@ -28,7 +28,8 @@ from node.context import NodeContext, NodeState
 from node.services.guard import RequestGuard
 from node.services.sync import CLOCK_BACK_WAIT_S, StageSync
 from node.stage.runner import StageRunner
-from protocol.messages import Message
+from protocol.messages import Message, RingChunk
+from protocol.quant import encode_tensor
 from swarm.peers import PeerTable
 from swarm.routing import Router
 
@@ -196,7 +197,13 @@ async def test_rounds_restart_from_a_stage_clock_that_stays_set_back() -> None:
         assert not tasks and sync.last_round == 1_000_010_000
         await round_at(sync, runner, tasks, clock, 1_000_020.1)
 
-        # back for good: after CLOCK_BACK_WAIT_S the rounds restart from the new reading
+        # back for good: after CLOCK_BACK_WAIT_S the rounds restart from the new reading;
+        # a DiLoCo partner's chunks for the old grid's next round would meet its id again
+        # in half an hour, and go; those for the new grid's stay
+        tensors, meta = encode_tensor(torch.ones(4), "fp32")
+        for boundary in (1_000_030_000, 998_260_000):
+            chunk = RingChunk(f"diloco:1:{boundary}", "h", "reduce", 0, meta, tensors=tensors)
+            sync.ring.deliver(chunk)
         back = 1_000_021.0 - 1800
         clock.wall_s = back
         sync.poll()
@@ -206,6 +213,7 @@ async def test_rounds_restart_from_a_stage_clock_that_stays_set_back() -> None:
         assert not tasks and sync.clock_restarts == 1
         assert sync.last_round == 998_250_000  # the boundary behind the reading
         assert sync.status()["clock_restarts"] == 1
+        assert sync.ring.round_ids() == ["diloco:1:998260000"]
         inner_steps(runner, 2)
         before = runner.outer_rounds
         await round_at(sync, runner, tasks, clock, 998_260.1)  # the next: ten seconds on

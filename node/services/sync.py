@@ -256,6 +256,15 @@ class StageSync:
             self.clock_restarts += 1
             self.last_round = latest
             self.gossip.rewind(latest)
+            # chunks partners sent for the old grid's rounds, ahead of the new reading, would
+            # meet those round ids again
+            ahead = self._stage_ms() + round(period * 1000) + CLOCK_SKEW_MS
+
+            def keep(round_id: str) -> bool:
+                kind, _, number = _parse_round_id(round_id)
+                return kind != "diloco" or not number.isdigit() or int(number) <= ahead
+
+            self.ring.forget_stale(keep)
             self._round_began_ms = latest if self.runner.round_steps > 0 else None
 
     def _stage_ms(self) -> int:
