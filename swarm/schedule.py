@@ -175,6 +175,12 @@ between two samples means the wall clock was set (by NTP, or by hand): every sam
 before is dropped, as it measured the old setting."""
 
 
+def _least_delayed(samples: Iterable[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Of a peer's samples (when taken, round trip, offset), the one with the shortest round
+    trip: NTP's clock filter."""
+    return min(samples, key=lambda s: s[1])
+
+
 def _disagrees(best: tuple[float, float, float], rtt: float, offset: float) -> bool:
     """Whether a new sample (round trip ``rtt``, ``offset``) cannot measure the same clock
     setting as a peer's ``best`` sample: each puts the offset within half its round trip of
@@ -195,8 +201,8 @@ class ClockOffsets:
     wrong). A new sample that cannot measure the same setting of the peer's clock as that
     one (``_disagrees``) means the peer's clock was set: its older samples are dropped, so
     the estimate moves at once rather than between the old and the new setting for up to
-    ``CLOCK_SAMPLES`` pings. Does not own the requests (``swarm.membership`` feeds it from its pings) nor
-    which peers form the stage (the caller names them).
+    ``CLOCK_SAMPLES`` pings. Does not own the requests (``swarm.membership`` feeds it from
+    its pings) nor which peers form the stage (the caller names them).
 
     ``stage_offset_s``: the median of the offsets of the named peers and of this machine
     (0). A replica that has measured the others reads the median of the same set of clocks
@@ -230,7 +236,7 @@ class ClockOffsets:
         self._base = base
         offset = peer_s - (sent_s + received_s) / 2
         samples = self._samples.setdefault(peer_id, deque(maxlen=CLOCK_SAMPLES))
-        if samples and _disagrees(min(samples, key=lambda s: s[1]), rtt, offset):
+        if samples and _disagrees(_least_delayed(samples), rtt, offset):
             samples.clear()  # the peer's clock was set since: its old samples measured it
             self.peer_steps += 1
         samples.append((now, rtt, offset))
@@ -246,7 +252,7 @@ class ClockOffsets:
         if not samples:
             del self._samples[peer_id]
             return None
-        return min(samples, key=lambda s: s[1])[2]
+        return _least_delayed(samples)[2]
 
     def stage_offset_s(self, peer_ids: Iterable[str], now: float) -> float:
         """What to add to this machine's wall clock to read the stage's: the median of the

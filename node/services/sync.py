@@ -258,13 +258,7 @@ class StageSync:
             self.gossip.rewind(latest)
             # chunks partners sent for the old grid's rounds, ahead of the new reading, would
             # meet those round ids again
-            ahead = self._stage_ms() + round(period * 1000) + CLOCK_SKEW_MS
-
-            def keep(round_id: str) -> bool:
-                kind, _, number = _parse_round_id(round_id)
-                return kind != "diloco" or not number.isdigit() or int(number) <= ahead
-
-            self.ring.forget_stale(keep)
+            self.forget_stale_rounds(self._stage_ms() + round(period * 1000) + CLOCK_SKEW_MS)
             self._round_began_ms = latest if self.runner.round_steps > 0 else None
 
     def _stage_ms(self) -> int:
@@ -457,13 +451,16 @@ class StageSync:
         mean, _ = await self._ring_mean(f"dp:{self.stage}:{self.runner.step}", grads)
         await self.runner.compute(self.runner.apply_grads, mean)
 
-    def forget_stale_rounds(self) -> None:
-        """Drop ring mailboxes of rounds this replica has passed (late or foreign chunks)."""
+    def forget_stale_rounds(self, diloco_ceiling: float = math.inf) -> None:
+        """Drop ring mailboxes of rounds this replica has passed (late or foreign chunks),
+        and of DiLoCo rounds after ``diloco_ceiling`` (a set-back clock's old grid)."""
         floors = {"diloco": max(0, self.last_round), "dp": self.runner.step}
 
         def keep(round_id: str) -> bool:
             kind, _, number = _parse_round_id(round_id)
-            return number.isdigit() and int(number) >= floors.get(kind, 0)
+            if not number.isdigit() or int(number) < floors.get(kind, 0):
+                return False
+            return kind != "diloco" or int(number) <= diloco_ceiling
 
         self.ring.forget_stale(keep)
 
