@@ -300,6 +300,10 @@ class Node:
             out["peers_refused_table_full"] = self.table.num_refused_full
         if self.membership.num_buried:
             out["peers_buried"] = self.membership.num_buried
+        if self.membership.clocks.steps:
+            out["clock_steps"] = self.membership.clocks.steps
+        if self.membership.clocks.peer_steps:
+            out["peer_clock_steps"] = self.membership.clocks.peer_steps
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -73,6 +73,9 @@ def format_status(st: dict[str, Any]) -> str:
             every += f" of the stage's clock ({offset:+.1f}s from this machine's)"
         if sync.get("clock_restarts"):
             every += f", restarted {sync['clock_restarts']}x after the clock was set back"
+        own, peers = (st.get("counters", {}).get(k, 0) for k in ("clock_steps", "peer_clock_steps"))
+        if own or peers:
+            every += f"; clocks seen set: this machine's {own}x, peers' {peers}x"
         lines.append(
             f"  sync {sync['method']}{every}: {sync['outer_steps']} outer steps ({rounds}), "
             f"{per:.2f}s per round, spread to last partner {spread}, "

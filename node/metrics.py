@@ -70,6 +70,16 @@ _NAMED_COUNTERS = {
         "murmur_peers_buried",
         "Members this node found gone: no probe, direct or through others, reached them for ttl_s.",
     ),
+    "clock_steps": (
+        "murmur_clock_steps",
+        "Times this machine's wall clock was seen set (a jump against its monotonic clock): "
+        "its clock samples of peers were dropped.",
+    ),
+    "peer_clock_steps": (
+        "murmur_peer_clock_steps",
+        "Times a peer's wall clock was seen set (a ping's reading no round trip explains): "
+        "that peer's older clock samples were dropped.",
+    ),
 }
 """``Node.counters`` keys with a family of their own (prefix families are handled apart)."""
 

@@ -73,6 +73,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_peers_banned": ("counter", set()),
     "murmur_peers_refused_table_full": ("counter", set()),
     "murmur_peers_buried": ("counter", set()),
+    "murmur_clock_steps": ("counter", set()),
+    "murmur_peer_clock_steps": ("counter", set()),
     "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_reachability": ("gauge", {"state"}),
@@ -179,6 +181,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "brand_new_counter": 7,
             "weights_refused:gossip:too_far": 2,
             "peers_banned": 1,
+            "peer_clock_steps": 2,
         },
         "peers": {
             "0": [],
@@ -340,6 +343,8 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_events_total", event="brand_new_counter") == 7
     assert one("murmur_weights_refused_total", source="gossip", reason="too_far") == 2
     assert one("murmur_peers_banned_total") == 1
+    assert one("murmur_peer_clock_steps_total") == 2
+    assert one("murmur_clock_steps_total") == 0  # named: exported at zero
     assert one("murmur_hops_dropped_total") == 0
     # per stage: peers in the table; ready replicas and capacity count this node in
     assert one("murmur_peers_known", stage="1") == 2
@@ -503,3 +508,13 @@ def test_status_text_shows_the_learning_rate_and_a_shared_place_in_the_schedule(
     assert "learning rate 0.00125 (the stage's place in its schedule: step 40)" in format_status(st)
     st["schedule_step"] = st["step"]  # its own place: nothing more to say
     assert "learning rate 0.00125\n" in format_status(st)
+
+
+def test_status_text_says_when_clocks_were_seen_set() -> None:
+    """The sync line counts clock steps, this machine's and its peers', once there are any."""
+    from node.display import format_status
+
+    st = head_status()
+    assert "clocks seen set: this machine's 0x, peers' 2x" in format_status(st)
+    st["counters"] = {k: v for k, v in st["counters"].items() if k != "peer_clock_steps"}
+    assert "clocks seen set" not in format_status(st)
