@@ -35,9 +35,13 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
 class NodeRefused(ValueError):
     """A node answered an operator request with an error: its HTTP status and message."""
 
-    def __init__(self, address: str, status: int, message: str) -> None:
+    def __init__(
+        self, address: str, status: int, message: str, clock_offset_s: float | None = None
+    ) -> None:
         super().__init__(f"{address} refused the request ({status}): {message}")
         self.status = status
+        self.clock_offset_s = clock_offset_s
+        """For a proof refused as stale: how far the node's proof clock is ahead of ours."""
 
 
 def post_to_node(
@@ -49,23 +53,43 @@ def post_to_node(
 ) -> dict[str, Any]:
     """POST an empty body to one of a node's operator endpoints (``/eval``, ``/profile``)
     and return its JSON answer; a keyed swarm's node wants ``auth``'s proof over the body.
-    Raises NodeRefused with the node's own error, ValueError when it cannot be reached."""
+    A proof refused as stale (this machine's clock and the node's proofs' disagree by more
+    than a minute) is stamped again once, on the time the refusal gave. Raises NodeRefused
+    with the node's own error, ValueError when it cannot be reached."""
+    url = f"http://{address}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    try:
+        return _post_once(address, url, path, auth, timeout_s)
+    except NodeRefused as e:
+        if auth is None or e.clock_offset_s is None:
+            raise
+        auth.clock_offset_s += e.clock_offset_s
+        return _post_once(address, url, path, auth, timeout_s)
+
+
+def _post_once(
+    address: str, url: str, path: str, auth: SwarmAuth | None, timeout_s: float
+) -> dict[str, Any]:
     headers: dict[str, str] = {}
     if auth is not None:
         sent = auth.sign_request(address, "POST", path, frame_digest([]), time.time())
         headers[AUTH_HEADER] = sent.header
-    url = f"http://{address}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
     req = urllib.request.Request(url, method="POST", data=b"", headers=headers)
+    t0 = time.time()
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             answer: dict[str, Any] = json.loads(resp.read())
             return answer
     except urllib.error.HTTPError as e:
         try:
-            message = str(json.loads(e.read())["error"])
+            refusal = json.loads(e.read())
+            message = str(refusal["error"])
         except (ValueError, KeyError, TypeError):
-            message = str(e.reason)
-        raise NodeRefused(address, e.code, message) from None
+            refusal, message = {}, str(e.reason)
+        proof_time = refusal.get("proof_time") if isinstance(refusal, dict) else None
+        offset = None
+        if isinstance(proof_time, float) and auth is not None:
+            offset = proof_time - (t0 + time.time()) / 2 - auth.clock_offset_s
+        raise NodeRefused(address, e.code, message, offset) from None
     except (urllib.error.URLError, OSError) as e:
         raise ValueError(f"cannot reach a node at {address}: {e}") from None
 

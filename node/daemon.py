@@ -35,6 +35,7 @@ from node.metrics import MetricsServer, start_metrics_server
 from node.net.addresses import ANY_HOST, DIRECT, UNKNOWN, announce_host, observed_address
 from node.net.netem import shaped
 from node.net.relay import RelayClient, RelayHub, RelayRoutes
+from node.net.swarmtime import SwarmTime
 from node.net.transport import HttpTransport, TrafficStats, server_stats
 from node.pipeline import HopSender, WorkQueue
 from node.roles.base import StageRole
@@ -85,6 +86,11 @@ class Node:
         self.rng = random.Random(self.peer_id)
         limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
         self.http = HttpTransport(limits, self.auth)
+        # a keyed swarm's proofs are stamped with the time most members seal (a clock hours
+        # off still joins); None in an open swarm
+        self.swarm_time = SwarmTime(self.auth) if self.auth is not None else None
+        if self.swarm_time is not None:
+            self.http.sealed_time = self.swarm_time.observe
         link = shaped(self.http, config.net)  # the testbeds' emulated latency and uplink
         members = config.membership
         # CheckFree+'s swapped routes hop two stages at a time (1 -> 3, N-2 -> N, N-1 -> head)
@@ -276,6 +282,8 @@ class Node:
         }
         if self.sync is not None:
             out["sync"] = self.sync.status()
+        if self.swarm_time is not None:
+            out["swarm_time"] = self.swarm_time.status()
         out["wire"] = self.hops.wire_status()
         out["reachability"] = self.reachability.status()
         out["relay"] = {

@@ -32,6 +32,13 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"  reachability: {reach['state']} ({reach['detail']})")
         if reach.get("advice"):
             lines.append(f"    {reach['advice']}")
+    swarm_time = st.get("swarm_time")
+    if swarm_time and swarm_time["offset_s"]:
+        offset = swarm_time["offset_s"]
+        lines.append(
+            f"  this machine's clock is {abs(offset):.0f}s {'behind' if offset > 0 else 'ahead of'}"
+            f" the swarm's: proofs carry the swarm's time (set the clock: timedatectl set-ntp true)"
+        )
     relay = st.get("relay")
     if relay and relay.get("nodes"):
         moved = sum(relay.get("bytes", {}).values()) / 1e6

@@ -137,6 +137,8 @@ class NodeCollector(Collector):
         yield from _counter_families(st["counters"], head=st["stage"] == 0)
         yield from _peer_families(st)
         yield from _reachability_family(st)
+        if isinstance(st.get("swarm_time"), dict):
+            yield from _swarm_time_families(st["swarm_time"])
         if st["stage"] == 0 and "tokens" in st:
             yield from _head_families(st)
         if isinstance(st.get("sync"), dict):
@@ -305,6 +307,21 @@ def _counter_families(counters: dict[str, int], head: bool) -> Iterator[Metric]:
     for key, value in named.items():
         name, doc = _NAMED_COUNTERS[key]
         yield _counter(name, doc, value)
+
+
+def _swarm_time_families(swarm_time: dict[str, Any]) -> Iterator[Metric]:
+    """A keyed swarm's proof clock (``node.net.swarmtime``)."""
+    yield _gauge(
+        "murmur_proof_clock_offset_seconds",
+        "Seconds added to this machine's clock when it stamps and checks proofs: the time "
+        "most swarm members seal, where this clock disagrees with them (0 when it agrees).",
+        swarm_time["offset_s"],
+    )
+    yield _counter(
+        "murmur_proof_clock_corrections",
+        "Times the proofs' clock offset changed by a second or more.",
+        swarm_time["corrections"],
+    )
 
 
 def _reachability_family(st: dict[str, Any]) -> Iterator[Metric]:

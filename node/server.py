@@ -66,7 +66,7 @@ from node.services.recovery import RecoveryService
 from node.services.sync import StageSync
 from node.stage.opprofile import DEFAULT_SECONDS, check_seconds, profile_compute
 from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
-from protocol.errors import ProtocolError
+from protocol.errors import AuthStale, ProtocolError
 from protocol.frames import Limits
 from protocol.messages import (
     Ack,
@@ -87,8 +87,10 @@ from protocol.messages import (
     RingChunk,
     Rollback,
     StageState,
+    encode_message,
 )
 from protocol.quant import WireTensor, open_tensor
+from swarm.admission import TokenBuckets
 from swarm.membership import MembershipService
 from swarm.seams import Refused
 from swarm.wirecodec import arrival_rate
@@ -98,6 +100,11 @@ log = logging.getLogger(__name__)
 PAGE = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
 """The swarm's page (``GET /``): stages, replicas, the loss curve, sync rounds, recoveries;
 it reads ``/status`` every 3 s, so it shows nothing ``/status`` does not."""
+
+
+SEALED_REFUSALS_PER_S = 10.0
+"""Refusals as stale sealed with this node's time, at most, a second (one signature each);
+beyond that they go unsealed, as other refusals do."""
 
 
 class NodeServer:
@@ -146,6 +153,7 @@ class NodeServer:
         self._runner: web.AppRunner | None = None
         self._profiling = False
         self._log = RateLimitedLog(log)
+        self._sealed_refusals = TokenBuckets(SEALED_REFUSALS_PER_S, SEALED_REFUSALS_PER_S, 1)
 
     async def start(self) -> int:
         """Listen on ``net.listen``; returns the port bound."""
@@ -199,6 +207,8 @@ class NodeServer:
             reply = await self._dispatch(msg, peer_host, relayed)
             if rate and isinstance(msg, Forward | Backward) and isinstance(reply, Ack):
                 reply = replace(reply, rate=rate)  # the sender chooses its wire codec by it
+        except AuthStale as e:  # sealed with this node's time, so a far-off clock can learn it
+            return self._refuse(e.code, str(e), e.http_status, peer_host, stale_proof=header)
         except ProtocolError as e:
             return self._refuse(e.code, str(e), e.http_status, peer_host)
         except Refused as e:
@@ -214,12 +224,32 @@ class NodeServer:
             return None
         return self.auth.accept(header, "POST", RPC_PATH, time.time())
 
-    def _refuse(self, code: str, message: str, status: int, peer_host: str) -> web.Response:
+    def _refuse(
+        self,
+        code: str,
+        message: str,
+        status: int,
+        peer_host: str,
+        stale_proof: str | None = None,
+    ) -> web.Response:
+        """Count, log and answer a refusal; one of a request as stale (its proof's header,
+        ``stale_proof``) is sealed with this node's time (``SwarmAuth.seal_refusal``), at
+        most ``SEALED_REFUSALS_PER_S`` a second (each costs a signature)."""
         self.ctx.counters[f"rejected_{code}"] += 1
         self._log.log(
             code, logging.WARNING, "refused request from %s: %s: %s", peer_host, code, message
         )
-        return frame_response(Error(code=code, message=message), status=status)
+        reply = Error(code=code, message=message)
+        if (
+            stale_proof is not None
+            and self.auth is not None
+            and self._sealed_refusals.allow(0, time.monotonic())
+        ):
+            digest = frame_digest(encode_message(reply))
+            seal = self.auth.seal_refusal(stale_proof, digest, time.time())
+            if seal is not None:
+                return frame_response(reply, status=status, headers={AUTH_HEADER: seal})
+        return frame_response(reply, status=status)
 
     async def _dispatch(self, msg: Message, peer_host: str, relayed: bool) -> Message:
         self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
@@ -379,9 +409,13 @@ class NodeServer:
     def _json_refusal(
         self, code: str, message: str, status: int, request: web.Request
     ) -> web.Response:
-        """Count and log a refused operator request; answer it in JSON."""
+        """Count and log a refused operator request; answer it in JSON (a refusal as stale
+        with the time this node's proofs follow, for the operator's one retry)."""
         self._refuse(code, message, status, request.remote or "?")
-        return web.json_response({"error": f"{code}: {message}"}, status=status)
+        answer: dict[str, Any] = {"error": f"{code}: {message}"}
+        if code == AuthStale.code and self.auth is not None:
+            answer["proof_time"] = time.time() + self.auth.clock_offset_s
+        return web.json_response(answer, status=status)
 
     async def _handle_eval(self, request: web.Request) -> web.Response:
         refused = self._operator_refusal(request)

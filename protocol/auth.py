@@ -17,14 +17,24 @@ Owns peer identity and the proof that travels with every exchange of a keyed swa
   signature and nonce (``ReplayCache``); then, once decoded, that the message names no
   sender other than its signer (``check_sender``).
 - A reply is bound to its request's nonce, so it needs no replay memory. Error replies are
-  not sealed: all they can do is fail a request, which anyone on the path can do anyway.
+  not sealed (all they can do is fail a request, which anyone on the path can do anyway),
+  except one: a refusal as stale (``seal_refusal``) carries the refusing member's time under
+  its seal, so that a node whose clock is far off can learn the swarm's time from members
+  alone, not from whoever answers at an address. The sealed time is all it adds, bound to
+  the request's nonce: a replayed refusal fails the nonce, and a forged one the MAC.
+- Every seal's ``ts`` is its sealer's time (``Outgoing.sealed_ts``), which is how a node
+  measures its peers' clocks for proofs; ``clock_offset_s``, set by the caller, is added to
+  every ``now`` (stamping and checking alike), so a node whose own clock is off speaks the
+  swarm's time (``node.net.swarmtime``).
 
 Pure: the caller passes the wall-clock ``now`` and does the file and socket I/O. Does not
-own key files (``node.identity``), HTTP (``node.net.transport``) or what follows a refusal.
+own key files (``node.identity``), HTTP (``node.net.transport``), what follows a refusal or
+how the clock offset is estimated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import hmac
@@ -272,6 +282,9 @@ class SwarmAuth:
         self.identity = identity
         self.window_s = window_s
         self.replays = ReplayCache(window_s, max_nonces)
+        self.clock_offset_s = 0.0
+        """Added to every ``now`` given: how far the swarm's clock is ahead of the caller's
+        (0 unless its clock is off; ``node.net.swarmtime`` sets it)."""
         self._peer_at: dict[str, str] = {}
         """Address -> peer id whose sealed reply last came from there (the next ``to``)."""
 
@@ -291,6 +304,7 @@ class SwarmAuth:
         then checks its reply. With ``peer_id`` the request is meant for that peer alone and
         only a reply it sealed is accepted; without, for whoever last answered there."""
         to = peer_id or self._peer_at.get(address, "")
+        now += self.clock_offset_s
         proof = self._seal(("request", method, path), digest, now, to, nonce)
         return Outgoing(self, address, proof, peer_id)
 
@@ -298,6 +312,7 @@ class SwarmAuth:
 
     def accept(self, header: str | None, method: str, path: str, now: float) -> Incoming:
         """The cheap checks on a request's proof, made before its body is read."""
+        now += self.clock_offset_s
         proof = self._fresh(parse_proof(header), now)
         if proof.to and proof.to != self.identity.peer_id:
             raise AuthMisdirected(
@@ -311,12 +326,26 @@ class SwarmAuth:
         """A relay's cheap checks on a request it is to pass to ``peer_id``: the request must
         be meant for that peer (and fresh); ``Incoming.verify`` then checks MAC and signature,
         so a stranger cannot use this node as a relay."""
+        now += self.clock_offset_s
         proof = self._fresh(parse_proof(header), now)
         if proof.to != peer_id:
             raise AuthMisdirected(
                 f"request meant for peer {proof.to[:8] or '(nobody)'}, relayed to {peer_id[:8]}"
             )
         return Incoming(self, proof, ("request", method, path), now)
+
+    def seal_refusal(self, header: str | None, digest: bytes, now: float) -> str | None:
+        """The header for a refusal of a request as stale (``AuthStale``; the refusal's frame
+        has ``digest``): this node's time, sealed for the request's claimed signer and bound
+        to its nonce. None when the request's proof does not parse. The request itself is
+        unchecked (it was refused before its MAC), so this tells nothing but the time, and
+        only to the holder of the claimed key who chose that nonce."""
+        try:
+            proof = parse_proof(header)
+        except (AuthMissing, AuthMalformed):
+            return None
+        context = ("reply", proof.nonce)
+        return self._seal(context, digest, now + self.clock_offset_s, proof.signer).header()
 
     # ---- shared ---------------------------------------------------------------------------
 
@@ -387,12 +416,25 @@ class Outgoing:
         self.header = proof.header()
         self.signer: str | None = None
         """Peer id that sealed the reply (set by ``open_reply`` for a successful reply)."""
+        self.sealed_ts: float | None = None
+        """The sealer's time, from a verified seal: every successful reply's, and a refusal's
+        where it carries one (``SwarmAuth.seal_refusal``)."""
+        self.sealed_by: str | None = None
+        """Peer id that sealed a reply whose ``sealed_ts`` is set."""
 
     def open_reply(self, status: int, header: str | None, digest: bytes) -> None:
         """Before decoding: a successful (200) reply (frame ``digest``) must be sealed by a
-        swarm member."""
-        if status != 200:
-            return  # refusals are checked once decoded: they must be Error frames
+        swarm member. A refusal's seal, if any, is checked the same way; one that fails
+        leaves the refusal as it is (refusals need no seal), without its time."""
+        if status != 200:  # refusals are checked once decoded: they must be Error frames
+            if header is not None:
+                with contextlib.suppress(AuthMissing, AuthMalformed, AuthBadMac, AuthBadSignature):
+                    proof = parse_proof(header)
+                    if proof.to == self._auth.identity.peer_id:
+                        self._auth._verify(proof, ("reply", self.proof.nonce), digest)
+                        if not self._expect or proof.signer == self._expect:
+                            self.sealed_ts, self.sealed_by = float(proof.ts), proof.signer
+            return
         proof = parse_proof(header)
         if proof.to != self._auth.identity.peer_id:
             raise AuthMisdirected(f"reply sealed for peer {proof.to[:8] or '(nobody)'}, not us")
@@ -402,7 +444,8 @@ class Outgoing:
                 f"the reply from {self._address} is sealed by peer {proof.signer[:8]}, not by "
                 f"{self._expect[:8]} whom the request was for (a false address for that peer?)"
             )
-        self.signer = proof.signer
+        self.signer = self.sealed_by = proof.signer
+        self.sealed_ts = float(proof.ts)
         if len(self._auth._peer_at) >= MAX_KNOWN_ADDRESSES:  # churn: forget, relearn on use
             self._auth._peer_at.clear()
         self._auth._peer_at[self._address] = proof.signer

@@ -150,8 +150,9 @@ FAR_EVERY_S = 30.0
 tables), whose welcome brings its summaries of every stage: news of a stage otherwise travels
 the ring of stages one neighbourhood at a time, a minute and more across 80 stages."""
 BOOTSTRAP_ADVICE = {
-    "auth_stale": "a keyed swarm refuses requests stamped more than a minute off its clock: "
-    "set this machine's clock (NTP: timedatectl set-ntp true)",
+    "auth_stale": "a keyed swarm refuses requests stamped more than a minute off its clock "
+    "(this node takes the swarm's time from the refusal's seal and greets it again): set "
+    "this machine's clock (NTP: timedatectl set-ntp true)",
 }
 """What a volunteer can do about a bootstrap's refusal, by code, where the refusal (written
 from the refusing node's side) does not say it."""

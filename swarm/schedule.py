@@ -43,6 +43,7 @@ Pure policy: numbers in, numbers out; the caller passes ``now``.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -264,7 +265,48 @@ class ClockOffsets:
                 offsets.append(offset)
         return statistics.median(offsets)
 
+    def offsets(self, now: float) -> dict[str, float]:
+        """Every measured peer's offset (``offset_s``), by peer id."""
+        out = {}
+        for peer_id in list(self._samples):
+            offset = self.offset_s(peer_id, now)
+            if offset is not None:
+                out[peer_id] = offset
+        return out
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the samples of peers not in ``keep`` (gone from the table)."""
         kept = set(keep)
         self._samples = {p: s for p, s in self._samples.items() if p in kept}
+
+
+AGREE_S = 10.0
+"""Clocks within this of one another count as agreeing (``agreed_offset_s``); a keyed
+swarm's proofs allow 60 s either way (``protocol.auth.SKEW_WINDOW_S``)."""
+
+
+def agreed_offset_s(offsets: Iterable[float], agree_s: float = AGREE_S) -> float:
+    """What to add to this machine's clock to read the time most of ``offsets`` (peers'
+    clocks, each how far ahead of this one) agree on; 0 when this clock is among them.
+
+    Each clock (this machine's, or a peer's) gathers the peers' clocks within ``agree_s`` of
+    it, and the largest gathering wins. This machine's own clock counts half a peer, so it
+    settles a tie between equal numbers of peers but never outvotes one peer alone (a joiner
+    whose clock is hours off, knowing only its bootstrap, takes the bootstrap's). Equal
+    gatherings go to the one around the clock nearest this one. The answer is the median of
+    the winning gathering, or 0 when this machine's clock is within ``agree_s`` of its
+    centre: a clock that agrees with most peers is left alone, not nudged by milliseconds.
+    O(n log n) for n peers."""
+    peers = sorted(offsets)
+    best_weight, best, best_at = -1.0, (0, 0), 0.0
+    for at in [0.0, *peers]:  # this machine's clock first: it wins ties with a farther one
+        lo = bisect.bisect_left(peers, at - agree_s)
+        hi = bisect.bisect_right(peers, at + agree_s)
+        weight = hi - lo + (0.5 if abs(at) <= agree_s else 0.0)
+        if weight > best_weight or (weight == best_weight and abs(at) < abs(best_at)):
+            best_weight, best, best_at = weight, (lo, hi), at
+    lo, hi = best
+    if hi == lo:
+        return 0.0
+    centre = statistics.median(peers[lo:hi])
+    return 0.0 if abs(centre) <= agree_s else centre

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -336,6 +337,70 @@ def test_an_unsealed_or_foreign_reply_is_refused(bob: SwarmAuth) -> None:
     refusal = Error(code="busy", message="queue full")
     sent.open_reply(503, None, frame_digest(encode_message(refusal)))
     sent.check_reply(refusal)  # refusals travel unsealed: they can only fail a request
+
+
+def test_a_refusal_as_stale_carries_the_refusers_time_under_its_seal(bob: SwarmAuth) -> None:
+    """Alice's clock is two hours behind: Bob refuses her request as stale, sealed with his
+    time, for her nonce; she learns his time only from a seal that verifies."""
+    alice = SwarmAuth(KEY, ALICE)
+    body = leave(ALICE.peer_id)
+    late = NOW - 7200.0
+    sent = alice.sign_request("bob:1", "POST", "/rpc", frame_digest(body), late)
+    with pytest.raises(AuthStale):
+        bob.accept(sent.header, "POST", "/rpc", NOW)
+    refusal = frame_digest(encode_message(Error(code="auth_stale", message="stale")))
+    seal = bob.seal_refusal(sent.header, refusal, NOW)
+    assert seal is not None and parse_proof(seal).to == ALICE.peer_id
+    sent.open_reply(401, seal, refusal)
+    assert (sent.sealed_by, sent.sealed_ts) == (BOB.peer_id, NOW)
+
+    # what does not verify teaches nothing, and the refusal stands as it was
+    def learned(seal_for: Callable[[str], str | None]) -> float | None:
+        again = alice.sign_request("bob:1", "POST", "/rpc", frame_digest(body), late)
+        again.open_reply(401, seal_for(again.header), refusal)
+        return again.sealed_ts
+
+    busy = frame_digest(encode_message(Error(code="busy", message="")))
+    stranger = SwarmAuth(b"another swarm's key", BOB)
+    assert learned(lambda h: bob.seal_refusal(h, refusal, NOW)) == NOW
+    assert learned(lambda h: bob.seal_refusal(h, busy, NOW)) is None  # another frame
+    assert learned(lambda h: stranger.seal_refusal(h, refusal, NOW)) is None
+    assert learned(lambda h: bob.seal_refusal(request(body), refusal, NOW)) is None  # nonce
+    assert learned(lambda h: None) is None
+    assert learned(lambda h: "v=1,ts=1") is None
+    # a request for a named peer learns the time only from that peer
+    named = alice.sign_request("x:1", "POST", "/rpc", EMPTY, late, peer_id=MALLORY.peer_id)
+    named.open_reply(401, bob.seal_refusal(named.header, refusal, NOW), refusal)
+    assert named.sealed_ts is None
+    assert bob.seal_refusal("v=1,garbage", refusal, NOW) is None
+    assert bob.seal_refusal(None, refusal, NOW) is None
+
+
+def test_a_clock_offset_stamps_and_checks_proofs_in_the_swarms_time(bob: SwarmAuth) -> None:
+    """Alice's machine reads two hours early; with the swarm's offset set, her requests are
+    fresh to Bob, his to her, and her replies' seals carry the swarm's time."""
+    alice = SwarmAuth(KEY, ALICE)
+    alice.clock_offset_s = 7200.0
+    late = NOW - 7200.0
+    body = leave(ALICE.peer_id)
+    sent = alice.sign_request("bob:1", "POST", "/rpc", frame_digest(body), late)
+    assert float(sent.proof.ts) == NOW
+    assert receive(bob, sent.header, body) == ALICE.peer_id
+    incoming = alice.accept(request(body, who=BOB), "POST", "/rpc", late)
+    incoming.verify(frame_digest(body))
+    assert float(parse_proof(incoming.seal_reply(EMPTY)).ts) == NOW
+    assert alice.accept_for(
+        ALICE.peer_id,
+        SwarmAuth(KEY, BOB)
+        .sign_request("a:1", "POST", "/rpc", EMPTY, NOW, peer_id=ALICE.peer_id)
+        .header,
+        "POST",
+        "/rpc",
+        late,
+    )
+    alice.clock_offset_s = 0.0
+    with pytest.raises(AuthStale):
+        alice.accept(request(body, who=BOB), "POST", "/rpc", late)
 
 
 def test_replay_memory_is_bounded_without_reopening_replays() -> None:

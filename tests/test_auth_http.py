@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import pytest
 
+from node.client import NodeRefused, post_to_node
 from node.config import resolve_config
 from node.daemon import Node
 from node.net.transport import LARGE_DIGEST_BYTES, RPC_PATH, HttpTransport, digest_of
@@ -145,6 +146,53 @@ async def test_strangers_replays_forgeries_and_impersonators_are_refused(
     # /status stays open (read-only operator information, documented in SECURITY.md)
     async with session.get(f"http://{keyed.state.address}/status") as r:
         assert r.status == 200 and KEY not in await r.text()
+
+
+async def test_a_refusal_as_stale_is_sealed_with_the_nodes_time(
+    keyed: Node, session: aiohttp.ClientSession
+) -> None:
+    """Over real HTTP: the refusal carries the node's time under a seal the requester can
+    check (``SEALED_REFUSALS_PER_S`` of them a second; then unsealed); the transport reports
+    every seal's time, a successful reply's and a stale refusal's."""
+    from node.server import SEALED_REFUSALS_PER_S
+    from protocol.auth import parse_proof
+
+    alice = SwarmAuth(KEY.encode(), ALICE)
+    seen: list[tuple[str, float, float, float]] = []
+    transport = HttpTransport(Limits(), alice)
+    transport.sealed_time = lambda *sample: seen.append(sample)
+    await transport.start()
+    try:
+        await transport.request(keyed.state.address, hello(keyed, ALICE), timeout_s=5)
+        alice.clock_offset_s = -300.0  # her proofs now read five minutes early
+        with pytest.raises(TransportError) as e:
+            await transport.request(keyed.state.address, Leave(peer_id=ALICE.peer_id), 5)
+        assert e.value.code == "auth_stale"
+    finally:
+        await transport.close()
+    assert [who for who, *_ in seen] == [keyed.peer_id, keyed.peer_id]
+    for _, sent, sealed, received in seen:  # the node's clock is this machine's
+        assert sent - 0.01 <= sealed <= received + 0.01
+    sealed_headers = 0
+    for _ in range(int(SEALED_REFUSALS_PER_S) + 5):  # a flood: signatures are not free
+        headers, body = signed(keyed, Leave(peer_id=ALICE.peer_id), now=time.time() - 300)
+        url = f"http://{keyed.state.address}{RPC_PATH}"
+        async with session.post(url, data=body, headers=headers) as r:
+            assert r.status == 401
+            seal = r.headers.get(AUTH_HEADER)
+            if seal is not None:
+                sealed_headers += 1
+                assert parse_proof(seal).to == ALICE.peer_id
+    assert SEALED_REFUSALS_PER_S - 2 <= sealed_headers <= SEALED_REFUSALS_PER_S + 2
+    assert keyed.counters["rejected_auth_stale"] == int(SEALED_REFUSALS_PER_S) + 6
+
+    # the operator's commands on a machine whose clock is off: stamped again, once
+    operator = SwarmAuth(KEY.encode(), Identity.generate())
+    operator.clock_offset_s = -300.0
+    with pytest.raises(NodeRefused, match="not_ready"):  # let in: this node has no stage
+        await asyncio.to_thread(post_to_node, keyed.state.address, "/profile", operator, 10)
+    assert operator.clock_offset_s == pytest.approx(0.0, abs=1.0)
+    assert keyed.counters["rejected_auth_stale"] == int(SEALED_REFUSALS_PER_S) + 7
 
 
 async def test_open_and_keyed_nodes_do_not_talk(keyed: Node) -> None:

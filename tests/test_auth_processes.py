@@ -120,20 +120,25 @@ def test_a_keyed_swarm_trains_and_refuses_outsiders(swarms: Any, tmp_path: Path)
     told = f"bootstrap {head}: refused us (auth_bad_mac"
     wait_for(lambda: told in outsider_log.read_text(), 60, "the outsider told why")
 
-    # the right key but a clock two minutes ahead (the machine's, where libfaketime is
-    # installed): refused as stale, and told to set the clock
+    # the right key but a clock two hours ahead (the machine's, where libfaketime is
+    # installed): refused as stale and told to set the clock, but the refusal is sealed
+    # with the head's time, so it stamps its proofs with the swarm's time and joins
     if LIBFAKETIME.exists():
-        extra, env = wrong_clock(120)
+        extra, env = wrong_clock(7200)
         late = s.start_node(1, extra=extra, env=env)
         late_log = s.log_dir / f"stage1-{late.rsplit(':', 1)[1]}.log"
         stale = f"bootstrap {head}: refused us (auth_stale: request stamped"
         advice = "set this machine's clock (NTP"
+        corrected = "this machine's clock is 7200 s ahead of the swarm's"
         wait_for(
-            lambda: stale in (text := late_log.read_text()) and advice in text,
+            lambda: all(t in late_log.read_text() for t in (stale, advice, corrected)),
             60,
-            "the wrong clock told why, and what to do",
+            "the wrong clock told why, and what to do, and corrected",
             describe=lambda: late_log.read_text()[-1500:],
         )
+        late_status = wait_ready(late, 120, s)
+        assert late_status["swarm_time"]["offset_s"] == pytest.approx(-7200, abs=2)
+        wait_for(lambda: fetch_status(late)["samples"] > 0, 120, "the corrected node trains")
 
     done = completed(head)
     wait_for(lambda: completed(head) >= done + 5, 120, "training after the refusals")

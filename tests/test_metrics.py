@@ -75,6 +75,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_peers_buried": ("counter", set()),
     "murmur_clock_steps": ("counter", set()),
     "murmur_peer_clock_steps": ("counter", set()),
+    "murmur_proof_clock_offset_seconds": ("gauge", set()),
+    "murmur_proof_clock_corrections": ("counter", set()),
     "murmur_weights_refused": ("counter", {"source", "reason"}),
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_reachability": ("gauge", {"state"}),
@@ -202,6 +204,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "pipeline_complete": True,
         "window": {"policy": "adaptive", "size": 7, "base_rtt_ms": 120.0, "rtt_ms": 150.5},
         "wire": {"codec": "int8", "auto": True, "link_mbps": 18.4, "switches": 3},
+        "swarm_time": {"offset_s": -7200.0, "members_measured": 3, "corrections": 1},
         "sync": {
             "method": "noloco",
             "outer_steps": 3,
@@ -344,6 +347,8 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_weights_refused_total", source="gossip", reason="too_far") == 2
     assert one("murmur_peers_banned_total") == 1
     assert one("murmur_peer_clock_steps_total") == 2
+    assert one("murmur_proof_clock_offset_seconds") == -7200.0
+    assert one("murmur_proof_clock_corrections_total") == 1
     assert one("murmur_clock_steps_total") == 0  # named: exported at zero
     assert one("murmur_hops_dropped_total") == 0
     # per stage: peers in the table; ready replicas and capacity count this node in
@@ -511,10 +516,12 @@ def test_status_text_shows_the_learning_rate_and_a_shared_place_in_the_schedule(
 
 
 def test_status_text_says_when_clocks_were_seen_set() -> None:
-    """The sync line counts clock steps, this machine's and its peers', once there are any."""
+    """The sync line counts clock steps, this machine's and its peers', once there are any;
+    a proof clock corrected has a line of its own."""
     from node.display import format_status
 
     st = head_status()
     assert "clocks seen set: this machine's 0x, peers' 2x" in format_status(st)
+    assert "clock is 7200s ahead of the swarm's: proofs carry the swarm's time" in format_status(st)
     st["counters"] = {k: v for k, v in st["counters"].items() if k != "peer_clock_steps"}
     assert "clocks seen set" not in format_status(st)

@@ -8,6 +8,7 @@ from swarm.schedule import (
     CLOCK_SAMPLE_TTL_S,
     ClockOffsets,
     Pace,
+    agreed_offset_s,
     next_boundary,
     power_of_two_at_least,
     round_period,
@@ -256,3 +257,37 @@ def test_the_pace_agrees_with_its_definition_on_random_steps(seed: int) -> None:
         steps.append((t, units))
         got = pace.step(t, units)
         assert got == pytest.approx(brute_pace(steps, window_s), rel=1e-9)
+
+
+def test_the_agreed_offset_by_hand() -> None:
+    """Peers' clocks ahead of this one (s); within 10 s of one another they agree."""
+    assert agreed_offset_s([]) == 0.0  # nobody measured: this clock
+    assert agreed_offset_s([7200.0]) == 7200.0  # a joiner that knows only its bootstrap
+    assert agreed_offset_s([0.003, 7200.0]) == 0.0  # this clock and one peer outvote one
+    assert agreed_offset_s([7200.0, 7201.0, 0.01]) == 7200.5  # two peers outvote 1.5
+    assert agreed_offset_s([7200.0, 7204.0, 7203.0, -3600.0]) == 7203.0  # the median of three
+    assert agreed_offset_s([7200.0, -3600.0]) == -3600.0  # a tie: the smaller move
+    assert agreed_offset_s([12.0, 12.5, 11.5]) == 12.0  # this clock is 12 s off: corrected
+    assert agreed_offset_s([0.0, 9.0, 18.0]) == 0.0  # centre 9, this clock within 10 s
+    assert agreed_offset_s([-0.02, 0.01, 0.03]) == 0.0  # agreeing: no millisecond nudges
+
+
+def _agreed_by_definition(offsets: list[float], agree_s: float = 10.0) -> float:
+    """The rule as its docstring states it, O(n^2): every clock's gathering of peers."""
+    import statistics
+
+    weighed = []
+    for at in [0.0, *offsets]:
+        group = [o for o in offsets if abs(o - at) <= agree_s]
+        weighed.append((len(group) + (0.5 if abs(at) <= agree_s else 0.0), -abs(at), group))
+    weight, _, group = max(weighed, key=lambda w: (w[0], w[1]))
+    centre = statistics.median(group) if group else 0.0
+    return 0.0 if abs(centre) <= agree_s else centre
+
+
+def test_the_agreed_offset_against_its_definition() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        clocks = [rng.choice([0.0, 7200.0, -3600.0, 45.0]) + rng.gauss(0, 4) for _ in range(9)]
+        offsets = rng.sample(clocks, rng.randint(0, 9))
+        assert agreed_offset_s(offsets) == pytest.approx(_agreed_by_definition(offsets))

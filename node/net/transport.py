@@ -173,10 +173,12 @@ def frame_body(buffers: Sequence[bytes | memoryview]) -> bytes | FramePayload:
     return FramePayload(buffers)
 
 
-def frame_response(msg: Message, status: int = 200) -> web.Response:
-    if type(msg) is Ack and msg == _ACK and not msg.tensors:
+def frame_response(
+    msg: Message, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    if type(msg) is Ack and msg == _ACK and not msg.tensors and headers is None:
         return web.Response(status=status, body=ACK_FRAME, content_type=CONTENT_TYPE)
-    return _response(frame_body(encode_message(msg)), status)
+    return _response(frame_body(encode_message(msg)), status, headers)
 
 
 def _response(
@@ -302,6 +304,9 @@ class HttpTransport:
         self.stats = TrafficStats()
         self.routes: Callable[[str, str], Route | None] = lambda address, peer_id: None
         """Where a request for a peer that cannot be dialled goes (``node.net.relay``)."""
+        self.sealed_time: Callable[[str, float, float, float], None] = lambda *sample: None
+        """Called with each sealed reply's time in a keyed swarm: (sealer's peer id, sent at,
+        sealed at, received at; wall-clock seconds, ``node.net.swarmtime``)."""
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -352,12 +357,14 @@ class HttpTransport:
             )
         header = sent.header if sent is not None else None
         size = frame_nbytes(buffers)
+        sent_at = time.time()
         if route is None:
             status, seal, raw, _ = await self._post(
                 self._url(address), frame_body(buffers), header, timeout_s, address
             )
         else:
             status, seal, raw = await self._relayed(route, buffers, header, timeout_s, address)
+        received_at = time.time()
         self.bytes_sent += size
         self.bytes_received += len(raw)
         self.stats.sent_bytes[msg.TYPE] += size
@@ -371,6 +378,8 @@ class HttpTransport:
             self.stats.received_bytes["invalid"] += len(raw)
             raise TransportError(e.code, f"bad reply from {address} (HTTP {status}): {e}") from None
         self.stats.received_bytes[reply.TYPE] += len(raw)
+        if sent is not None and sent.sealed_by is not None and sent.sealed_ts is not None:
+            self.sealed_time(sent.sealed_by, sent_at, sent.sealed_ts, received_at)
         return reply
 
     async def _post(
