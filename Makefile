@@ -16,7 +16,11 @@ demo: $(STAMP)  ## the main job: a local swarm on the embedded corpus that visib
 	$(VENV)/bin/node demo
 
 test: $(STAMP) lint  ## everything CI runs: lint, unit, integration, real processes, netns hosts
-	$(PY) -m pytest -ra --durations=25
+	@# the long one-process simulations two at a time (they open no sockets and time nothing);
+	@# then everything else one test at a time, as real processes need the machine to themselves
+	$(PY) -m pytest -ra -m inprocess -n 2 --dist loadfile --durations=10; sims=$$?; \
+	$(PY) -m pytest -ra -m "not inprocess" --durations=25; rest=$$?; \
+	exit $$(( sims || rest ))
 
 test-quick: $(STAMP)  ## the fast loop: skips real-process and multi-host tests
 	$(PY) -m pytest -m "not slow"

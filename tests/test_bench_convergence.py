@@ -9,6 +9,7 @@ from bench.convergence import main
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
+@pytest.mark.inprocess
 def test_quick_study_runs_every_method_and_records_what_the_issue_asks(tmp_path: Path) -> None:
     result = main(["--quick", "--out", str(tmp_path)])
     assert result["replicas_per_stage"] == 4

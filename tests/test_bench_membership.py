@@ -12,6 +12,7 @@ import pytest
 from bench import membership
 
 
+@pytest.mark.inprocess
 def test_the_simulated_swarm_costs_the_same_per_node_and_news_is_fast(tmp_path: Path) -> None:
     out = tmp_path / "membership.json"
     result = membership.main(["--quick", "--out", str(out)])

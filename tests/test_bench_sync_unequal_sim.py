@@ -13,6 +13,7 @@ import torch
 from bench import sync_unequal_sim
 
 
+@pytest.mark.inprocess
 def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_closest(
     tmp_path: Path,
 ) -> None:
@@ -70,6 +71,7 @@ def test_pair_gap_is_half_the_pairs_difference_over_their_move() -> None:
     assert sync_unequal_sim.pair_gap(alike, [(0, 3), (1, 2)]) == 0.0
 
 
+@pytest.mark.inprocess
 def test_diloco_rounds_give_the_unequal_stage_one_place_in_the_schedule(tmp_path: Path) -> None:
     """DiLoCo's all-reduce leaves every replica of a stage the same slow weights and, with
     the schedule shared (the daemon's ring carries the places beside the chunks), the same
@@ -111,6 +113,7 @@ def test_progress_split_by_hand() -> None:
     assert sync_unequal_sim.progress_split(alike, alike) == (0.0, [0.0, 0.0])
 
 
+@pytest.mark.inprocess
 def test_in_flight_reaches_the_swarm_and_stales_its_gradients(tmp_path: Path) -> None:
     """``--in-flight`` is handed to the study's swarm: with four microbatches in flight per
     head a gradient lands after later forwards, so the same seed ends at other weights than

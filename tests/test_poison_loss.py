@@ -37,7 +37,7 @@ from node.data.dataset import open_dataset
 from node.services.sync import weight_screen
 from node.stage.runner import StageRunner
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.inprocess, pytest.mark.timeout(300)]
 
 REPLICAS = 4
 """Block-stage replicas; the last one is the poisoner in a poisoned run."""
