@@ -123,6 +123,15 @@ LOST_RETRY_MAX_S = 30.0
 """Longest wait between two contacts of a buried peer's address."""
 LOST_FORGET_S = 3600.0
 """How long a buried peer's address is greeted again before it is forgotten."""
+STAGE_CLOCK_HOLD_S = 60.0
+"""How long a replica that dropped out of the table without leaving (no probe reached it for
+``ttl_s``: a stalled machine, a lost link) still counts in its stage's clock
+(``stage_offset_s``). Without it, of two replicas whose clocks differ by D, one that misses
+the other's pings for a few seconds reads the stage's clock jump by D/2 and back: it takes an
+outer round at a boundary D/2 ahead, then waits out ``CLOCK_BACK_WAIT_S`` (``node.services
+.sync``) to restart its rounds, and the pair goes solo meanwhile (seen in the clock set-back
+process test: 17 s and two solo rounds lost). A replica that left (a goodbye) or moved to
+another stage stops counting at once."""
 RECORD_BYTES = 250
 """About what one record costs on the wire (msgpack with field names), for the budget."""
 EXCHANGE_BYTES = 300
@@ -270,6 +279,8 @@ class MembershipService:
         self._leaving = False
         self.clocks = ClockOffsets()
         """How far each member's wall clock is from ours, measured on our pings."""
+        self._stage_clock_peers: dict[int, dict[str, float]] = {}
+        """stage -> replica -> when ``stage_offset_s`` last found it in the table."""
         self._told: dict[str, str] = {}  # bootstrap address -> the outcome last logged
 
     # -- this node's record --------------------------------------------------------------
@@ -495,6 +506,8 @@ class MembershipService:
                 # at once if nothing reaches it (the prober has waited ttl_s already)
                 self._missing.setdefault(death.peer_id, now - self.config.ttl_s)
                 continue
+            if death.left:
+                self._left(death.peer_id)
             if self.table.bury(death.peer_id, death.incarnation, now):
                 if held is not None:
                     log.info("peer %s %s", death.peer_id[:8], "left" if death.left else "gone")
@@ -765,7 +778,8 @@ class MembershipService:
         greet bootstrap, sighted and due buried addresses."""
         now = self.clock.now()
         self.table.forget_graves(now)
-        self.clocks.forget(r.peer_id for r in self.table.records())
+        remembered = (p for seen in self._stage_clock_peers.values() for p in seen)
+        self.clocks.forget([*(r.peer_id for r in self.table.records()), *remembered])
         self._forget_met(now)
         self._refresh(now)
         target = self._next_target()
@@ -1266,9 +1280,24 @@ class MembershipService:
 
     def stage_offset_s(self, stage: int) -> float:
         """What to add to this machine's wall clock to read ``stage``'s (the median of its
-        replicas' clocks, this one's included: ``swarm.schedule.ClockOffsets``)."""
-        peers = [r.peer_id for r in self.table.replicas(stage, ready_only=False)]
-        return self.clocks.stage_offset_s(peers, self.clock.now())
+        replicas' clocks, this one's included: ``swarm.schedule.ClockOffsets``). A replica
+        that dropped out of the table without leaving still counts for
+        ``STAGE_CLOCK_HOLD_S`` after a reading last found it there."""
+        now = self.clock.now()
+        seen = self._stage_clock_peers.setdefault(stage, {})
+        for record in self.table.replicas(stage, ready_only=False):
+            seen[record.peer_id] = now
+        for peer_id, when in list(seen.items()):
+            held = self.table.get(peer_id)
+            elsewhere = held is not None and (held.leaving or held.stage != stage)
+            if elsewhere or now - when > STAGE_CLOCK_HOLD_S:
+                del seen[peer_id]
+        return self.clocks.stage_offset_s(seen, now)
+
+    def _left(self, peer_id: str) -> None:
+        """``peer_id`` said goodbye: it no longer counts in any stage's clock."""
+        for seen in self._stage_clock_peers.values():
+            seen.pop(peer_id, None)
 
     async def handle_probe(self, probe: Probe) -> Pong:
         """Ping a member for a member whose own ping did not reach it."""
@@ -1288,6 +1317,7 @@ class MembershipService:
         now = self.clock.now()
         if incarnation is not None and self.table.bury(leave.peer_id, incarnation, now):
             log.info("peer %s left", leave.peer_id[:8])
+            self._left(leave.peer_id)
             stages = None if held is None else (held.stage,)
             self._tell(Obituary(leave.peer_id, incarnation, left=True), stages)
 

@@ -17,6 +17,7 @@ from swarm.membership import (
     LOST_FORGET_S,
     LOST_RETRY_MAX_S,
     RECORD_BYTES,
+    STAGE_CLOCK_HOLD_S,
     MembershipConfig,
     MembershipService,
 )
@@ -835,6 +836,43 @@ async def test_pings_measure_each_members_clock_and_the_stage_reads_the_median()
         assert node.stage_offset_s(1) == pytest.approx(0.0, abs=2e-3), node.clocks._samples
         assert node.clocks.offset_s("p3", sw.clock.now()) == pytest.approx(30.0, abs=0.011)
     assert nodes[3].stage_offset_s(1) == pytest.approx(-30.0, abs=0.011)
+    await sw.close()
+
+
+async def test_a_replica_that_drops_out_still_counts_in_the_stage_clock_a_while() -> None:
+    """Two replicas of stage 1, the second's clock 30 s ahead, and a head: each replica
+    reads the stage's clock halfway, 15 s off its own. When the second stalls (nothing
+    reaches it, so it is buried after ttl_s), the first's stage clock does not jump back to
+    its own for ``STAGE_CLOCK_HOLD_S`` (an outer round 15 s ahead, then a wait to restart
+    the rounds, for a partner back a few seconds later); past it, it does. One that says
+    goodbye stops counting at once."""
+    sw = Swarm(latency_s=0.01)
+    head, right, ahead = (sw.add(i, stage=stage) for i, stage in ((0, 0), (1, 1), (2, 1)))
+    ahead.clock = Skewed(sw.clock, 30.0)
+    for node in (right, ahead):
+        node.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(15.0)
+    assert right.stage_offset_s(1) == pytest.approx(15.0, abs=0.02)
+    assert ahead.stage_offset_s(1) == pytest.approx(-15.0, abs=0.02)
+    sw.kill(ahead)
+    for _ in range(int(STAGE_CLOCK_HOLD_S) - 5):  # the daemon reads it every second or so
+        await sw.run_for(1.0)
+        assert right.stage_offset_s(1) == pytest.approx(15.0, abs=0.02)
+    assert "p2" not in right.table  # buried long since (ttl_s = 5), at about 5 s
+    await sw.run_for(15.0)  # 70 s after the kill: the hold counts from the burial
+    assert right.stage_offset_s(1) == 0.0
+
+    late = sw.add(3, stage=1)  # a new replica on the right clock, then it says goodbye
+    late.clock = Skewed(sw.clock, 30.0)
+    late.add_bootstrap(["10.0.0.0:7070"])
+    await sw.run_for(15.0)
+    assert right.stage_offset_s(1) == pytest.approx(15.0, abs=0.02)
+    leaving = asyncio.ensure_future(late.leave_all(timeout_s=1.0))
+    await sw.run_for(1.0)
+    assert leaving.done()
+    sw.kill(late)  # as the daemon does after its goodbyes
+    assert "p3" not in right.table
+    assert right.stage_offset_s(1) == 0.0
     await sw.close()
 
 
