@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-quick lint clean
+.PHONY: demo test test-quick lint venv clean
 
 $(STAMP):
 	python3 -m venv $(VENV)
@@ -11,6 +11,8 @@ $(STAMP):
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,data,hf]'
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+venv: $(STAMP)  ## the project's virtual environment alone (CI builds it beside the extras)
 
 demo: $(STAMP)  ## the main job: a local swarm on the embedded corpus that visibly learns
 	$(VENV)/bin/node demo
