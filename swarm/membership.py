@@ -279,8 +279,10 @@ class MembershipService:
         self._leaving = False
         self.clocks = ClockOffsets()
         """How far each member's wall clock is from ours, measured on our pings."""
-        self._stage_clock_peers: dict[int, dict[str, float]] = {}
-        """stage -> replica -> when ``stage_offset_s`` last found it in the table."""
+        self._clock_stage: int | None = None
+        self._clock_peers: dict[str, float] = {}
+        """Replicas of ``_clock_stage`` (the stage ``stage_offset_s`` last read) -> when
+        it last found each in the table."""
         self._told: dict[str, str] = {}  # bootstrap address -> the outcome last logged
 
     # -- this node's record --------------------------------------------------------------
@@ -778,8 +780,7 @@ class MembershipService:
         greet bootstrap, sighted and due buried addresses."""
         now = self.clock.now()
         self.table.forget_graves(now)
-        remembered = (p for seen in self._stage_clock_peers.values() for p in seen)
-        self.clocks.forget([*(r.peer_id for r in self.table.records()), *remembered])
+        self.clocks.forget([*(r.peer_id for r in self.table.records()), *self._clock_peers])
         self._forget_met(now)
         self._refresh(now)
         target = self._next_target()
@@ -1284,7 +1285,9 @@ class MembershipService:
         that dropped out of the table without leaving still counts for
         ``STAGE_CLOCK_HOLD_S`` after a reading last found it there."""
         now = self.clock.now()
-        seen = self._stage_clock_peers.setdefault(stage, {})
+        if stage != self._clock_stage:  # this node moved: its old partners do not count
+            self._clock_stage, self._clock_peers = stage, {}
+        seen = self._clock_peers
         for record in self.table.replicas(stage, ready_only=False):
             seen[record.peer_id] = now
         for peer_id, when in list(seen.items()):
@@ -1295,9 +1298,8 @@ class MembershipService:
         return self.clocks.stage_offset_s(seen, now)
 
     def _left(self, peer_id: str) -> None:
-        """``peer_id`` said goodbye: it no longer counts in any stage's clock."""
-        for seen in self._stage_clock_peers.values():
-            seen.pop(peer_id, None)
+        """``peer_id`` said goodbye: it no longer counts in the stage's clock."""
+        self._clock_peers.pop(peer_id, None)
 
     async def handle_probe(self, probe: Probe) -> Pong:
         """Ping a member for a member whose own ping did not reach it."""
