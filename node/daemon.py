@@ -214,6 +214,7 @@ class Node:
             data_shard=head.shard if head else -1,
             movable=self.balancer.movable,
             step_s=r.step_s if r else 0.0,
+            round_s=self.sync.round_s if self.sync else 0.0,
             relays=self.relays.addresses,
             relay_slots=self.relay_hub.slots(),
             settling=state.settling,

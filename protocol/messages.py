@@ -78,6 +78,10 @@ class PeerRecord:
     """The peer's seconds per inner optimizer step, wall-clock time over its last rounds
     (``swarm.schedule.Pace``), 0 until measured: its stage derives the period of its outer
     rounds and its usual inner steps per round from it (``swarm.schedule``)."""
+    round_s: float = 0.0
+    """The period of the outer rounds this peer's stage schedule runs on (seconds; 0: none
+    yet, or not on the clock schedule): its stage's replicas take the shortest period in use
+    that fits, so that they agree on one (``swarm.schedule.round_period``)."""
     relays: list[str] = field(default_factory=list)
     """Addresses of the peers relaying for this one (empty: dial it directly); a sender tries
     the first few (``node.net.relay.MAX_RELAYS``)."""
@@ -91,7 +95,7 @@ class PeerRecord:
     def problem(self) -> str | None:
         """What no honest peer publishes (a negative or non-finite figure: routing divides
         by them, CheckFree weighs by them), or None; decoding refuses a record that has one."""
-        for name in ("throughput", "grad_norm", "step_s"):
+        for name in ("throughput", "grad_norm", "step_s", "round_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 return f"{name} {value} is not a finite number >= 0"

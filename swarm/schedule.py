@@ -33,7 +33,9 @@ not per-peer steps). With equal replicas the two schedules coincide: ``P`` is ``
 published seconds per inner step, rounded up to a power of two seconds (at least
 ``MIN_PERIOD_S``). Powers of two make the grids of two replicas that briefly disagree about
 ``P`` nest (every boundary of the coarser grid is one of the finer), so they still meet;
-hysteresis keeps ``P`` from flip-flopping when the median sits near a power of two. A
+hysteresis keeps ``P`` from flip-flopping when the median sits near a power of two, and
+each replica publishes the ``P`` it uses so that hysteresis cannot leave the replicas on
+two periods for good: of the periods in use, the shortest that fits is taken. A
 replica's seconds per inner step is its ``Pace``: wall-clock time over steps in the last
 two rounds, the time its rounds spent matchmaking and exchanging included, so the period
 over the stage's median pace is the steps a replica of the stage usually takes in a round.
@@ -65,20 +67,48 @@ def power_of_two_at_least(seconds: float) -> float:
 
 
 def round_period(
-    step_times_s: Iterable[float], outer_steps: int, current_s: float | None = None
+    step_times_s: Iterable[float],
+    outer_steps: int,
+    current_s: float | None = None,
+    partners_s: Iterable[float] = (),
 ) -> float | None:
     """The derived round period for a stage whose replicas publish ``step_times_s`` (seconds
     per inner step; non-positive ones are not measured yet), or None while none is.
 
-    ``current_s``: the period in use, kept while ``H`` median steps stay within
-    ``[SHRINK, GROW]`` of it."""
+    ``current_s``: the period in use; ``partners_s``: the periods the stage's other replicas
+    publish (0: none yet). Of these, the shortest whose hysteresis band ``[SHRINK, GROW]``
+    holds ``H`` median steps is kept; when none does, the power of two just above them is
+    taken. Hysteresis alone is a replica's own memory: with ``H`` median steps between
+    ``SHRINK`` times one power of two and ``GROW`` times the half of it (3 s to 5 s for 4 s
+    and 8 s), both periods are stable, and a replica that saw one slow step moved to 8 s
+    while its partners stayed on 4 s, for a whole run (the NoLoCo pull-term process test:
+    one replica took half the rounds of the others, and the test 307 s instead of 200 s).
+    Choosing among the periods in use makes the choice a function of what every replica
+    reads alike, so they agree after one publication. Any fixed preference would do; the
+    shortest keeps the most rounds, and the grids nest, so replicas still on the coarser
+    grid meet the others at each of its boundaries meanwhile. Published periods that no derived schedule could take (not a
+    power of two of at least ``MIN_PERIOD_S``) are ignored: a peer cannot pull a stage onto
+    a grid that is not one of these."""
     measured = [s for s in step_times_s if s > 0 and math.isfinite(s)]
     if not measured:
         return current_s
     want_s = outer_steps * statistics.median(measured)
-    if current_s is not None and SHRINK * current_s <= want_s <= GROW * current_s:
-        return current_s
+    in_use = {p for p in partners_s if _derivable(p)}
+    if current_s is not None:
+        in_use.add(current_s)
+    for period_s in sorted(in_use):
+        if SHRINK * period_s <= want_s <= GROW * period_s:
+            return period_s
     return power_of_two_at_least(want_s)
+
+
+def _derivable(period_s: float) -> bool:
+    """Whether ``period_s`` is one a derived schedule takes: a power of two seconds, at
+    least ``MIN_PERIOD_S``. (A long one is harmless: it is taken only where its band holds
+    the stage's own ``H`` median steps.)"""
+    if not (math.isfinite(period_s) and period_s >= MIN_PERIOD_S):
+        return False
+    return math.log2(period_s).is_integer()
 
 
 def next_boundary(now_s: float, period_s: float, after_ms: int = -1) -> int:

@@ -232,6 +232,10 @@ def test_a_refusal_says_where_the_bad_field_is(
             Hello("s", "f", PeerRecord("p", "a:1", 2, step_s=-1.0), []),
             "hello.sender: step_s -1.0 is not a finite number >= 0",
         ),
+        (
+            Hello("s", "f", PeerRecord("p", "a:1", 2, round_s=float("nan")), []),
+            "hello.sender: round_s nan is not a finite number >= 0",
+        ),
         (Ack(queue=-5), "ack: queue -5 is below -1"),
         (StageState(stage=1, step=-1, samples=0), "stage_state: step -1 is negative"),
         (HeadBackup(step=-3, sender="p"), "head_backup: step -3 is negative"),

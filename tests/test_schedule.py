@@ -43,6 +43,51 @@ def test_period_keeps_its_value_inside_the_hysteresis_band() -> None:
     assert round_period([1.7], 10) == 32.0 and round_period([1.5], 10) == 16.0
 
 
+def test_replicas_take_the_shortest_period_in_use_that_fits() -> None:
+    # H = 10, median step 0.45 s: 4.5 s. Alone, 4 s ([1.5, 5]) and 8 s ([3, 10]) both keep
+    # it, so a replica on 8 s stays there while its partner stays on 4 s: the split.
+    assert round_period([0.45], 10, current_s=8.0) == 8.0
+    assert round_period([0.45], 10, current_s=4.0) == 4.0
+    # with the partners' periods read, both take 4 s
+    assert round_period([0.45], 10, current_s=8.0, partners_s=[4.0]) == 4.0
+    assert round_period([0.45], 10, current_s=4.0, partners_s=[8.0, 0.0]) == 4.0
+    # 5.5 s: only 8 s's band ([3, 10]) holds it, so both take 8 s
+    assert round_period([0.55], 10, current_s=4.0, partners_s=[8.0]) == 8.0
+    assert round_period([0.55], 10, current_s=8.0, partners_s=[4.0]) == 8.0
+    # a newcomer (no period yet) joins the grid in use: 2.5 s fits 4 s and 8 s ([3, 10]
+    # does not hold 2.5), so 4 s; 3.5 s fits both, so the shorter
+    assert round_period([0.25], 10, None, partners_s=[8.0, 4.0]) == 4.0
+    assert round_period([0.35], 10, None, partners_s=[8.0]) == 8.0
+    # none fits 12 s ([1.5, 5], [3, 10]): the power of two above it
+    assert round_period([1.2], 10, current_s=8.0, partners_s=[4.0]) == 16.0
+    # periods no derived schedule takes are ignored: not powers of two, below 4 s, not
+    # finite, negative
+    for odd in (6.0, 2.0, 1.0, float("inf"), float("nan"), -8.0, 0.0):
+        assert round_period([0.45], 10, current_s=8.0, partners_s=[odd]) == 8.0
+
+
+def test_the_choice_of_period_against_a_brute_force_statement() -> None:
+    """Every replica of a stage reading the same step times and the periods in use takes
+    the same period, and it is the one an independent statement of the rule names: among
+    the powers of two from 4 s on, the least that is in use and whose band holds H median
+    steps, else the least at or above H median steps."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        h = rng.choice([5, 10, 50])
+        steps = [rng.uniform(0.01, 3.0) for _ in range(rng.randint(1, 5))]
+        periods = [rng.choice([0.0, 4.0, 8.0, 16.0, 32.0, 64.0]) for _ in range(len(steps))]
+        ordered, mid = sorted(steps), len(steps) // 2
+        median = ordered[mid] if len(steps) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        want = h * median
+        grid = [4.0 * 2**k for k in range(12)]
+        fits = [p for p in grid if p in periods and 0.375 * p <= want <= 1.25 * p]
+        expected = fits[0] if fits else next(p for p in grid if p >= want)
+        for i, own in enumerate(periods):
+            others = periods[:i] + periods[i + 1 :]
+            got = round_period(steps, h, own or None, others)
+            assert got == expected, (steps, h, periods, i)
+
+
 def test_boundaries_are_multiples_of_the_period_and_only_move_forward() -> None:
     assert next_boundary(100.0, 8.0) == 104_000
     assert next_boundary(104.0, 8.0) == 104_000

@@ -14,10 +14,12 @@ against NoLoCo's rule written out here.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import Counter
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,7 +30,7 @@ from node.context import NodeContext, NodeState
 from node.services.guard import RequestGuard
 from node.services.sync import CLOCK_BACK_WAIT_S, StageSync
 from node.stage.runner import StageRunner
-from protocol.messages import Message, RingChunk
+from protocol.messages import Message, PeerRecord, RingChunk
 from protocol.quant import encode_tensor
 from swarm.peers import PeerTable
 from swarm.routing import Router
@@ -66,7 +68,11 @@ class NoPeers:
         raise AssertionError(f"a lone replica sent {type(msg).__name__} to {address}")
 
 
-def lone_replica(clock: WallClock) -> tuple[StageSync, StageRunner, list[asyncio.Task[None]]]:
+def lone_replica(
+    clock: WallClock, round_s: float = ROUND_S
+) -> tuple[StageSync, StageRunner, list[asyncio.Task[None]]]:
+    """A replica of stage 1 on the clock schedule, alone in its table; ``round_s`` 0: the
+    period is derived (``sync.outer_steps`` 10)."""
     config = resolve_config(
         None,
         {},
@@ -74,7 +80,8 @@ def lone_replica(clock: WallClock) -> tuple[StageSync, StageRunner, list[asyncio
             "train.step_samples": "4",
             "sync.method": "noloco",
             "sync.schedule": "clock",
-            "sync.round_s": str(ROUND_S),
+            "sync.round_s": str(round_s),
+            "sync.outer_steps": "10",
             "sync.share_schedule": "false",
         },
     )
@@ -220,3 +227,22 @@ async def test_rounds_restart_from_a_stage_clock_that_stays_set_back() -> None:
         assert runner.outer_rounds == before + 1 and sync.rounds["solo"] >= 3
     finally:
         runner.close()
+
+
+def test_a_replica_takes_up_the_shorter_period_its_partner_publishes() -> None:
+    """H = 10 steps of 0.45 s: 4.5 s, which both 4 s and 8 s keep under hysteresis. A
+    replica left on 8 s (a slow step once) keeps it alone, and goes over to 4 s once its
+    partner's record says it runs on 4 s; its own record then says 4 s too."""
+    sync, runner, _ = lone_replica(WallClock(1_000_000.0), round_s=0.0)
+    runner.step_s = 0.45
+    sync.period = 8.0
+    assert sync._round_period() == 8.0 and sync.round_s == 8.0
+    partner = PeerRecord("b" * 16, "127.0.0.1:2", 1, ready=True, step_s=0.45, round_s=4.0)
+    sync.ctx.table.observe(partner, time.monotonic())
+    sync._stage_checked = -math.inf  # the stage is read again at most once a second
+    assert sync._round_period() == 4.0 and sync.round_s == 4.0
+    # a partner on a grid no derived schedule takes (5 s) moves nobody
+    sync.period = 8.0
+    sync.ctx.table.observe(replace(partner, round_s=5.0, version=1), time.monotonic())
+    sync._stage_checked = -math.inf
+    assert sync._round_period() == 8.0

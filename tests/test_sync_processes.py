@@ -73,6 +73,14 @@ def run_three_replicas(tmp_path: Path, gamma: str, rounds: int) -> float:
             240,
             f"{rounds} outer rounds",
         )
+        # one round period: hysteresis alone left one replica on 8 s rounds beside two on
+        # 4 s for a whole run, taking half their rounds (``swarm.schedule.round_period``)
+        wait_for(
+            lambda: len({sync_of(a)["round_s"] for a in replicas}) == 1,
+            10,
+            "the replicas on one round period",
+            describe=lambda: [sync_of(a)["round_s"] for a in replicas],
+        )
         stats = [sync_of(a) for a in replicas]
         paired = sum(st["rounds"].get("paired", 0) for st in stats)
         assert paired >= rounds, paired  # most rounds found a partner

@@ -192,10 +192,19 @@ class StageSync:
             self._stage_checked = now
             self._read_offset()
             if self.config.round_s <= 0:
-                self.period = round_period(self._step_times(), self.config.outer_steps, self.period)
+                partners = [p.round_s for p in self.ctx.table.replicas(self.stage)]
+                self.period = round_period(
+                    self._step_times(), self.config.outer_steps, self.period, partners
+                )
             if period := self._period_s():  # the pace's window: the last rounds
                 self.runner.pace.window_s = PACE_ROUNDS * period
         return self._period_s()
+
+    @property
+    def round_s(self) -> float:
+        """The period this replica's rounds run on, as its record publishes it (0: none
+        yet, or not on the clock schedule)."""
+        return (self._period_s() or 0.0) if self.clocked else 0.0
 
     def _period_s(self) -> float | None:
         """The clock schedule's period in use: set, or as last derived (None: not yet)."""
