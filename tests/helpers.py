@@ -143,11 +143,33 @@ LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
 every clock a process reads."""
 
 
+def faketime_env(**settings: str) -> dict[str, str]:
+    """The environment that preloads libfaketime with ``settings`` (``FAKETIME`` or
+    ``FAKETIME_TIMESTAMP_FILE``...): the wall clock is shifted, the monotonic clock is left
+    as it is (its origin means nothing, and a machine whose clock is set keeps it), and
+    libfaketime's "monotonic fix" is off. That fix, on by default with this glibc, bends the
+    timed waits on a condition with a monotonic clock, among them CPython's wait for the
+    GIL: a thread that asks for the GIL got it after up to 280 ms instead of 5 ms (a busy
+    thread beside a loop of 1 ms waits: 12 ms at most without libfaketime or with the fix
+    off, 250 to 280 ms with it on; faking the monotonic clock too hung the loop). That is
+    the likely cause of what the clock set-back test saw of its libfaketime node: missed
+    membership pings (buried as dead, "false alarm"), 46 s to join once (the test then
+    failed), and about 4 s without answering after its clock was set back. Even so ``time.sleep`` fails under
+    libfaketime (EINVAL from ``clock_nanosleep``): a node run with it must not use
+    ``train.compute_delay_s`` or ``train.slowdown``, which sleep."""
+    return {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_FORCE_MONOTONIC_FIX": "0",
+        **settings,
+    }
+
+
 def wrong_clock(ahead_s: int) -> tuple[list[str], dict[str, str]]:
     """Settings and environment for a node whose clock is ``ahead_s`` seconds ahead: the
     machine's own clock as the process reads it (libfaketime) where installed, else
     ``node.debug_clock_skew_s`` (the wall clock the schedule reads; signatures keep the
     true time)."""
     if LIBFAKETIME.exists():
-        return [], {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": f"+{ahead_s}s"}
+        return [], faketime_env(FAKETIME=f"+{ahead_s}s")
     return ["--set", f"node.debug_clock_skew_s={ahead_s}"], {}

@@ -16,7 +16,7 @@ from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 from swarm.outer import rms_distance
-from tests.helpers import FAST_SWARM, LIBFAKETIME, wait_for, wrong_clock
+from tests.helpers import FAST_SWARM, LIBFAKETIME, faketime_env, wait_for, wrong_clock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -217,12 +217,10 @@ def test_two_replicas_pair_again_soon_after_one_machines_clock_is_set_back(
     from the new reading after about 30 s (``CLOCK_BACK_WAIT_S``) and pair again."""
     setting = tmp_path / "faketime"
     setting.write_text("+0s\n")
-    env = {
-        "LD_PRELOAD": str(LIBFAKETIME),
-        "FAKETIME_TIMESTAMP_FILE": str(setting),
-        "FAKETIME_CACHE_DURATION": "1",  # seconds between readings of the file
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-    }
+    env = faketime_env(
+        FAKETIME_TIMESTAMP_FILE=str(setting),
+        FAKETIME_CACHE_DURATION="1",  # seconds between readings of the file
+    )
     s = LocalSwarm(tmp_path, {**BASE, "swarm.num_block_stages": "1", "sync.round_s": "4"})
     try:
         head = s.start_node(0)
