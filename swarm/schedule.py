@@ -86,9 +86,9 @@ def round_period(
     Choosing among the periods in use makes the choice a function of what every replica
     reads alike, so they agree after one publication. Any fixed preference would do; the
     shortest keeps the most rounds, and the grids nest, so replicas still on the coarser
-    grid meet the others at each of its boundaries meanwhile. Published periods that no derived schedule could take (not a
-    power of two of at least ``MIN_PERIOD_S``) are ignored: a peer cannot pull a stage onto
-    a grid that is not one of these."""
+    grid meet the others at each of its boundaries meanwhile. Published periods that no
+    derived schedule could take (not a power of two of at least ``MIN_PERIOD_S``) are
+    ignored: a peer cannot pull a stage onto a grid that is not one of these."""
     measured = [s for s in step_times_s if s > 0 and math.isfinite(s)]
     if not measured:
         return current_s
@@ -103,12 +103,10 @@ def round_period(
 
 
 def _derivable(period_s: float) -> bool:
-    """Whether ``period_s`` is one a derived schedule takes: a power of two seconds, at
-    least ``MIN_PERIOD_S``. (A long one is harmless: it is taken only where its band holds
-    the stage's own ``H`` median steps.)"""
-    if not (math.isfinite(period_s) and period_s >= MIN_PERIOD_S):
-        return False
-    return math.log2(period_s).is_integer()
+    """Whether ``period_s`` is one a derived schedule takes (``power_of_two_at_least``
+    gives it back). A long one is harmless: it is taken only where its band holds the
+    stage's own ``H`` median steps."""
+    return math.isfinite(period_s) and period_s > 0 and power_of_two_at_least(period_s) == period_s
 
 
 def next_boundary(now_s: float, period_s: float, after_ms: int = -1) -> int:
