@@ -22,6 +22,7 @@ import torch
 from bench.perf_pipeline import runner_step
 from node.config import Config, resolve_config
 from node.data.dataset import open_dataset
+from node.stage.adam import Adam
 from node.stage.model import BlockStage, HeadStage, build_stage
 from node.stage.runner import lr_at
 from protocol.frames import frame_nbytes
@@ -96,10 +97,7 @@ def train_with_codec(codec: str, num_microbatches: int, seed: int = 0) -> dict[s
     stages = [build_stage(cfg.model, NUM_BLOCK_STAGES, s, cfg.swarm.seed) for s in range(4)]
     head, blocks = stages[0], stages[1:]
     assert isinstance(head, HeadStage) and all(isinstance(b, BlockStage) for b in blocks)
-    opts = [
-        torch.optim.Adam(s.parameters(), lr=lr_at(0, train), betas=train.betas, eps=1e-8)
-        for s in stages
-    ]
+    opts = [Adam(s.parameters(), lr=lr_at(0, train), betas=train.betas, eps=1e-8) for s in stages]
     dataset = open_dataset(data, shard=0, seed=cfg.swarm.seed, vocab_size=cfg.model.vocab_size)
     evals = dataset.eval_batches(train.eval_batches, data.batch_size, data.seq_len)
     gen = torch.Generator().manual_seed(seed)

@@ -47,6 +47,7 @@ from node.client import fetch_status, post_to_node
 from node.config import Config, TrainConfig, resolve_config
 from node.data.dataset import open_dataset
 from node.demo import LocalSwarm, wait_ready
+from node.stage.adam import Adam
 from node.stage.model import build_model
 from node.stage.opprofile import OpProfile
 from node.stage.runner import lr_at
@@ -74,7 +75,7 @@ def _say(text: str) -> None:
 
 def runner_step(
     params: list[torch.nn.Parameter],
-    opt: torch.optim.Optimizer,
+    opt: Adam,
     microbatches: int,
     step: int,
     train: TrainConfig,
@@ -101,7 +102,7 @@ def train_single(
     train, data = cfg.train, cfg.data
     model = build_model(cfg.model, cfg.swarm.seed)
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=lr_at(0, train), betas=train.betas, eps=1e-8)
+    opt = Adam(params, lr=lr_at(0, train), betas=train.betas, eps=1e-8)
     dataset = open_dataset(data, shard=0, seed=cfg.swarm.seed, vocab_size=cfg.model.vocab_size)
     gen = torch.Generator().manual_seed(0)
     step = acc_samples = acc_microbatches = tokens = 0

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from node.stage.adam import Adam
 from node.stage.opprofile import OpProfile, ProfileError, check_seconds, summarise, thread_sched
 
 
@@ -54,7 +55,7 @@ def test_operators_never_take_more_than_the_threads_cpu() -> None:
     assert s["ops"][0]["self_cpu_s"] == pytest.approx(0.3)
 
 
-def _train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+def _train_steps(model: torch.nn.Module, opt: Adam, steps: int) -> None:
     for _ in range(steps):
         model(torch.randn(8, 32)).square().mean().backward()
         opt.step()
@@ -64,7 +65,7 @@ def _train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int)
 def test_a_profile_records_its_own_thread_only() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.ReLU())
-    opt = torch.optim.Adam(model.parameters())
+    opt = Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
     a = torch.randn(64, 64)
     prof = OpProfile()
     with ThreadPoolExecutor(1) as compute:  # start and stop are separate jobs on one thread

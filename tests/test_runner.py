@@ -140,7 +140,7 @@ def test_head_step_averages_each_side_over_the_microbatches_it_holds() -> None:
         r = runner(0, step_samples="2", clip_norm="1e9")
         named = dict(r.module.named_parameters())
 
-        def record(opt: object, args: object, kwargs: object, r=r, name=name, named=named) -> None:
+        def record(opt: object, r=r, name=name, named=named) -> None:
             applied[name].append(
                 {k: p.grad.clone() for k, p in named.items() if p.grad is not None}
             )

@@ -360,7 +360,11 @@ class HeadStage(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # Its table is left unset, as every caller builds this on the meta device and then
+        # fills it (``_init_`` or a state dict): torch's own draw, ``normal_`` on the meta
+        # device, would import the compiler (``node.stage.adam`` says what that costs).
+        table = torch.empty(cfg.vocab_size, cfg.d_model)
+        self.tok_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=table)
         self.embed_norm: nn.Module = (
             RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.embed_norm else nn.Identity()
         )

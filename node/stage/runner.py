@@ -44,6 +44,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
+from node.stage.adam import Adam
 from node.stage.model import Attention, BlockStage, HeadStage, build_stage
 from node.stage.outer import Encoded, Offer, OuterState, is_place
 from node.stage.speed import configure_compute_thread
@@ -149,7 +150,7 @@ class StageRunner:
         self.device = torch.device(config.node.device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"compute-s{stage}")
         self.module: HeadStage | BlockStage
-        self.optimizer: torch.optim.Adam
+        self.optimizer: Adam
         self.step = 0
         """Inner steps taken, in units of ``step_samples`` samples (``step_units`` per step)."""
         self.step_units = staleness_units(config)
@@ -229,9 +230,9 @@ class StageRunner:
         self.optimizer = self._new_optimizer()
         self._init_outer()
 
-    def _new_optimizer(self) -> torch.optim.Adam:
-        """A fresh inner Adam at the scheduled learning rate of the current step."""
-        return torch.optim.Adam(
+    def _new_optimizer(self) -> Adam:
+        """A fresh inner Adam (``node.stage.adam``) at the scheduled learning rate."""
+        return Adam(
             self.module.parameters(),
             lr=lr_at(self.schedule_step, self.train),
             betas=self.train.betas,
