@@ -220,6 +220,11 @@ class Node:
             settling=state.settling,
         )
 
+    def _published_step_s(self) -> float:
+        """This replica's seconds per inner step as its record last told its peers."""
+        published = self.membership.published()
+        return published.step_s if published else 0.0
+
     def status(self) -> dict[str, Any]:
         """This node's view of the swarm, for ``node status`` and the demo."""
         now = self.clock.now()
@@ -516,6 +521,7 @@ class Node:
             runner,
             self.guard,
             clock_offset=lambda: self.membership.stage_offset_s(stage),
+            published_step_s=self._published_step_s,
         )
         state.ready = True
         log.info("serving stage %d (step %d)", stage, runner.step)

@@ -292,6 +292,10 @@ class MembershipService:
         (anything but the figures) is published at once."""
         return self._own(self.self_record())
 
+    def published(self) -> PeerRecord | None:
+        """Our record as peers last had it, with no publishing (None before the first)."""
+        return self._published
+
     def _own(self, record: PeerRecord) -> PeerRecord:
         if self._published is None or _essentials(record) != _essentials(self._published):
             self._publish(record, self.clock.now())

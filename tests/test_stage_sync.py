@@ -106,7 +106,14 @@ def lone_replica(
         counters=Counter(),
         spawn=spawn,
     )
-    sync = StageSync(ctx, runner, RequestGuard(ctx), clock_offset=lambda: 0.0)
+    # its record always as fresh as its runner's figure, unless a test says otherwise
+    sync = StageSync(
+        ctx,
+        runner,
+        RequestGuard(ctx),
+        clock_offset=lambda: 0.0,
+        published_step_s=lambda: runner.step_s,
+    )
     return sync, runner, tasks
 
 
@@ -246,3 +253,29 @@ def test_a_replica_takes_up_the_shorter_period_its_partner_publishes() -> None:
     sync.ctx.table.observe(replace(partner, round_s=5.0, version=1), time.monotonic())
     sync._stage_checked = -math.inf
     assert sync._round_period() == 8.0
+
+
+def test_the_period_is_derived_from_the_step_times_as_published_its_own_too() -> None:
+    """H = 10; two replicas on 4 s rounds (4 s holds H median steps up to 5 s). This one's
+    runner now reads 0.6 s a step, but its record still says 0.45 s, as its partner's does:
+    it reads the stage as its partner does, 4.5 s, and stays on 4 s. Read fresh, the median
+    of 0.45 and 0.6 put it at 5.25 s, and it alone went to 8 s until its partner read its
+    next record. Once its record says 0.6 s, both read 5.25 s and both move to 8 s."""
+    sync, runner, _ = lone_replica(WallClock(1_000_000.0), round_s=0.0)
+    published = {"step_s": 0.45}
+    sync.published_step_s = lambda: published["step_s"]
+    sync.period = 4.0
+    runner.step_s = 0.6
+    partner = PeerRecord("b" * 16, "127.0.0.1:2", 1, ready=True, step_s=0.45, round_s=4.0)
+    sync.ctx.table.observe(partner, time.monotonic())
+    sync._stage_checked = -math.inf
+    assert sync._round_period() == 4.0
+    assert sync._ref_steps(1.0) == pytest.approx(4.0 / 0.45)  # the usual steps, as published
+    published["step_s"] = 0.6
+    sync._stage_checked = -math.inf
+    assert sync._round_period() == 8.0
+    # nothing published yet (a replica that just started): no period derived
+    fresh, fresh_runner, _ = lone_replica(WallClock(1_000_000.0), round_s=0.0)
+    fresh_runner.step_s = 0.45
+    fresh.published_step_s = lambda: 0.0
+    assert fresh._round_period() is None

@@ -69,13 +69,17 @@ class StageSync:
         guard: RequestGuard,
         *,
         clock_offset: Callable[[], float],
+        published_step_s: Callable[[], float],
     ) -> None:
         """``clock_offset()``: what to add to this machine's wall clock to read the stage's
-        (``swarm.membership.MembershipService.stage_offset_s``)."""
+        (``swarm.membership.MembershipService.stage_offset_s``). ``published_step_s()``: this
+        replica's seconds per inner step as its record last told its partners (0: not yet),
+        the figure the stage's step times are read with (``_step_times``)."""
         self.ctx = ctx
         self.runner = runner
         self.guard = guard
         self.clock_offset = clock_offset
+        self.published_step_s = published_step_s
         self.offset_s = 0.0
         """The stage's clock minus this machine's, as last read (seconds)."""
         self._told_offset_s = 0.0
@@ -211,8 +215,14 @@ class StageSync:
         return self.config.round_s if self.config.round_s > 0 else self.period
 
     def _step_times(self) -> list[float]:
-        """Seconds per inner step of the stage's replicas, this one included (0: unknown)."""
-        return [p.step_s for p in self.ctx.table.replicas(self.stage)] + [self.runner.step_s]
+        """Seconds per inner step of the stage's replicas, this one included (0: unknown),
+        each as its record published it, its own too: every replica then reads the same
+        figures, and so derives the same period and the same usual steps per round. With its
+        own figure fresh and its partners' as published, a median near a band's edge read
+        on either side of it for a refresh at a time, and two replicas could settle on
+        different periods (``swarm.schedule.round_period``)."""
+        partners = [p.step_s for p in self.ctx.table.replicas(self.stage)]
+        return [*partners, self.published_step_s()]
 
     def _boundary_due(self) -> int | None:
         """The latest grid boundary (ms since the epoch) passed and not taken yet, if any. A
