@@ -7,7 +7,10 @@ turns (before, after, before, after, ...: the machine drifts, so the sides inter
 - hop latency: 3 runs of 1000 hops of a 16 KiB activation against a bare aiohttp echo
   (``bench.perf_wire.measure_latency``), median p50 ratio;
 - pipeline efficiency: the local swarm (head + 3 block stages) for 40 s against one process
-  training the same model (``bench.perf_pipeline.measure_pipeline``, no profilers).
+  training the same model (``bench.perf_pipeline.measure_pipeline``, no profilers);
+- start-up: seconds from launching a local swarm (head + 3 block stages, started together)
+  to every node ready, and to every stage past its second inner step (``STARTUP``, written
+  here with only what both commits have, so that an old commit measures the same way).
 
 Writes ``bench/results/ab.json``. Usage: ``python -m bench.ab BEFORE [AFTER] [--rounds 2]``
 (AFTER defaults to HEAD).
@@ -44,20 +47,54 @@ print(json.dumps({
 }))
 """
 
+STARTUP = """
+import json, sys, tempfile, time
+from pathlib import Path
+from node.client import fetch_status
+from node.demo import LocalSwarm, wait_ready
+settings = {"node.join_wait_s": "1.0", "train.eval_interval_s": "0", "swarm.num_block_stages": "3"}
+with tempfile.TemporaryDirectory() as d:
+    swarm = LocalSwarm(Path(d), settings)
+    swarm.log_dir.mkdir(exist_ok=True)
+    try:
+        t0 = time.monotonic()
+        head = swarm.start_node(0)
+        for stage in (1, 2, 3):
+            swarm.start_node(stage)
+        for address in swarm.addresses:
+            wait_ready(address, 120, swarm)
+        ready_s = time.monotonic() - t0
+        deadline = t0 + 180
+        while True:
+            stages = fetch_status(head)["stages"]
+            if min(stages.get(str(s), {}).get("step", 0) for s in range(4)) >= 2:
+                break
+            if time.monotonic() > deadline:
+                sys.exit("no stage past step 2 within 180 s")
+            time.sleep(0.2)
+        step2_s = time.monotonic() - t0
+    finally:
+        swarm.stop(grace_s=5)
+print(json.dumps({"startup_ready_s": ready_s, "startup_step2_s": step2_s}))
+"""
+
 
 def measure(tree: Path) -> dict[str, Any]:
-    """One measurement of the checkout at ``tree`` (its own node/, swarm/, protocol/)."""
+    """One measurement of the checkout at ``tree`` (its own node/, swarm/, protocol/): the
+    start-up, then hop latency and the pipeline."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=1200,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = {}
+    for script in (STARTUP, MEASURE):
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=1200,
+        )
+        result.update(json.loads(out.stdout.strip().splitlines()[-1]))
     return result
 
 

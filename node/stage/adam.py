@@ -13,11 +13,13 @@ decay, no amsgrad), so the two agree to the last bit (``tests/test_adam.py``), a
 state layout (``state[p]`` holds ``step``, ``exp_avg``, ``exp_avg_sq``), so snapshots and
 state transfer read it as they read torch's.
 
-Why not ``torch.optim.Adam``: every public entry point of a torch optimizer is wrapped in a
-decorator that imports ``torch._dynamo`` on first use. That import is 822 modules and 1.8
-to 2.5 s of CPU in every daemon, on the compute thread (holding the GIL while the event loop
-answers its first pings), at the moment a swarm's nodes start together. A volunteer's node
-has no use for the compiler; this class is what remains of Adam without it.
+Why not ``torch.optim.Adam``: a torch optimizer's constructor, ``step`` and ``zero_grad``
+each import ``torch._dynamo`` on first use (``torch._disable_dynamo``, and ``step``'s
+``_use_grad_for_differentiable``). That import is 822 modules, about 1.8 s of CPU, in every
+daemon, on the compute thread (holding the GIL while the event loop answers its first pings),
+at the moment a swarm's nodes start together: a 4-node swarm on two cores was ready in 11.0 s
+with it and 8.6 s without (medians of three, ``bench.ab``; ``bench/README.md``). A volunteer's node has no use for the
+compiler; this class is what remains of Adam without it.
 
 Owns the moments and the step count of each parameter. Does not own the learning-rate
 schedule, clipping, or when a step is taken (``node.stage.runner``).
