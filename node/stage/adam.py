@@ -17,9 +17,9 @@ Why not ``torch.optim.Adam``: a torch optimizer's constructor, ``step`` and ``ze
 each import ``torch._dynamo`` on first use (``torch._disable_dynamo``, and ``step``'s
 ``_use_grad_for_differentiable``). That import is 822 modules, about 1.8 s of CPU, in every
 daemon, on the compute thread (holding the GIL while the event loop answers its first pings),
-at the moment a swarm's nodes start together: a 4-node swarm on two cores was ready in 11.0 s
-with it and 8.6 s without (medians of three, ``bench.ab``; ``bench/README.md``). A volunteer's node has no use for the
-compiler; this class is what remains of Adam without it.
+at the moment a swarm's nodes start together: a 4-node swarm on two cores was ready in
+11.0 s with it and 8.6 s without (medians of three, ``bench.ab``; ``bench/README.md``). A
+volunteer's node has no use for the compiler; this class is what remains of Adam without it.
 
 Owns the moments and the step count of each parameter. Does not own the learning-rate
 schedule, clipping, or when a step is taken (``node.stage.runner``).
