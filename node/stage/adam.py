@@ -56,32 +56,29 @@ class Adam:
     def step(self) -> None:
         """One Adam step on every parameter that has a gradient (annotated as torch's, for
         ``node.stage.opprofile``)."""
-        with record_function("Optimizer.step#Adam.step"):
-            self._step()
-
-    def _step(self) -> None:
         for hook in self._pre_hooks:
             hook(self)
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state.get(p)
-            if not state:
-                state = self.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-            state["step"] += 1
-            t = state["step"].item()
-            grad, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            step_size = lr / (1 - beta1**t)
-            denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
-            p.addcdiv_(m, denom, value=-step_size)
+        with record_function("Optimizer.step#Adam.step"):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state.get(p)
+                if not state:
+                    state = self.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+                state["step"] += 1
+                t = state["step"].item()
+                grad, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step_size = lr / (1 - beta1**t)
+                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
+                p.addcdiv_(m, denom, value=-step_size)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients (``set_to_none``, as torch's default) or zero them."""
