@@ -49,6 +49,7 @@ from node.net.transport import (
     RELAY_PATH,
     RPC_PATH,
     Served,
+    StaleSeals,
     frame_response,
     open_frame,
     read_body,
@@ -87,10 +88,8 @@ from protocol.messages import (
     RingChunk,
     Rollback,
     StageState,
-    encode_message,
 )
 from protocol.quant import WireTensor, open_tensor
-from swarm.admission import TokenBuckets
 from swarm.membership import MembershipService
 from swarm.seams import Refused
 from swarm.wirecodec import arrival_rate
@@ -100,11 +99,6 @@ log = logging.getLogger(__name__)
 PAGE = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
 """The swarm's page (``GET /``): stages, replicas, the loss curve, sync rounds, recoveries;
 it reads ``/status`` every 3 s, so it shows nothing ``/status`` does not."""
-
-
-SEALED_REFUSALS_PER_S = 10.0
-"""Refusals as stale sealed with this node's time, at most, a second (one signature each);
-beyond that they go unsealed, as other refusals do."""
 
 
 class NodeServer:
@@ -153,7 +147,7 @@ class NodeServer:
         self._runner: web.AppRunner | None = None
         self._profiling = False
         self._log = RateLimitedLog(log)
-        self._sealed_refusals = TokenBuckets(SEALED_REFUSALS_PER_S, SEALED_REFUSALS_PER_S, 1)
+        self._stale_seals = StaleSeals(auth)
 
     async def start(self) -> int:
         """Listen on ``net.listen``; returns the port bound."""
@@ -233,23 +227,14 @@ class NodeServer:
         stale_proof: str | None = None,
     ) -> web.Response:
         """Count, log and answer a refusal; one of a request as stale (its proof's header,
-        ``stale_proof``) is sealed with this node's time (``SwarmAuth.seal_refusal``), at
-        most ``SEALED_REFUSALS_PER_S`` a second (each costs a signature)."""
+        ``stale_proof``) is sealed with this node's time (``StaleSeals``)."""
         self.ctx.counters[f"rejected_{code}"] += 1
         self._log.log(
             code, logging.WARNING, "refused request from %s: %s: %s", peer_host, code, message
         )
         reply = Error(code=code, message=message)
-        if (
-            stale_proof is not None
-            and self.auth is not None
-            and self._sealed_refusals.allow(0, time.monotonic())
-        ):
-            digest = frame_digest(encode_message(reply))
-            seal = self.auth.seal_refusal(stale_proof, digest, time.time())
-            if seal is not None:
-                return frame_response(reply, status=status, headers={AUTH_HEADER: seal})
-        return frame_response(reply, status=status)
+        headers = None if stale_proof is None else self._stale_seals.headers(stale_proof, reply)
+        return frame_response(reply, status=status, headers=headers)
 
     async def _dispatch(self, msg: Message, peer_host: str, relayed: bool) -> Message:
         self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate

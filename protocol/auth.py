@@ -21,7 +21,9 @@ Owns peer identity and the proof that travels with every exchange of a keyed swa
   except one: a refusal as stale (``seal_refusal``) carries the refusing member's time under
   its seal, so that a node whose clock is far off can learn the swarm's time from members
   alone, not from whoever answers at an address. The sealed time is all it adds, bound to
-  the request's nonce: a replayed refusal fails the nonce, and a forged one the MAC.
+  the request's nonce: a replayed refusal fails the nonce, and a forged one the MAC. A relay
+  that refuses a stale request for the node behind it seals as itself, and the sender reads
+  that time only from the relay it sent the request to.
 - Every seal's ``ts`` is its sealer's time (``Outgoing.sealed_ts``), which is how a node
   measures its peers' clocks for proofs; ``clock_offset_s``, set by the caller, is added to
   every ``now`` (stamping and checking alike), so a node whose own clock is off speaks the
@@ -422,17 +424,21 @@ class Outgoing:
         self.sealed_by: str | None = None
         """Peer id that sealed a reply whose ``sealed_ts`` is set."""
 
-    def open_reply(self, status: int, header: str | None, digest: bytes) -> None:
+    def open_reply(self, status: int, header: str | None, digest: bytes, relay: str = "") -> None:
         """Before decoding: a successful (200) reply (frame ``digest``) must be sealed by a
         swarm member. A refusal's seal, if any, is checked the same way; one that fails
-        leaves the refusal as it is (refusals need no seal), without its time."""
+        leaves the refusal as it is (refusals need no seal), without its time. For a request
+        meant for a named peer, a refusal's time counts from that peer or from ``relay``, the
+        peer id of the relay that carried the request (a relay refuses a stale request
+        itself, sealed as itself): a member on the path cannot pass off times under other
+        identities."""
         if status != 200:  # refusals are checked once decoded: they must be Error frames
             if header is not None:
                 with contextlib.suppress(AuthMissing, AuthMalformed, AuthBadMac, AuthBadSignature):
                     proof = parse_proof(header)
                     if proof.to == self._auth.identity.peer_id:
                         self._auth._verify(proof, ("reply", self.proof.nonce), digest)
-                        if not self._expect or proof.signer == self._expect:
+                        if not self._expect or proof.signer in (self._expect, relay):
                             self.sealed_ts, self.sealed_by = float(proof.ts), proof.signer
             return
         proof = parse_proof(header)

@@ -368,10 +368,15 @@ def test_a_refusal_as_stale_carries_the_refusers_time_under_its_seal(bob: SwarmA
     assert learned(lambda h: bob.seal_refusal(request(body), refusal, NOW)) is None  # nonce
     assert learned(lambda h: None) is None
     assert learned(lambda h: "v=1,ts=1") is None
-    # a request for a named peer learns the time only from that peer
+    # a request for a named peer learns the time only from that peer, or from the relay it
+    # was sent through (which refuses a stale request itself, sealed as itself)
     named = alice.sign_request("x:1", "POST", "/rpc", EMPTY, late, peer_id=MALLORY.peer_id)
     named.open_reply(401, bob.seal_refusal(named.header, refusal, NOW), refusal)
     assert named.sealed_ts is None
+    named.open_reply(401, bob.seal_refusal(named.header, refusal, NOW), refusal, "f" * 32)
+    assert named.sealed_ts is None  # another relay's name
+    named.open_reply(401, bob.seal_refusal(named.header, refusal, NOW), refusal, BOB.peer_id)
+    assert (named.sealed_by, named.sealed_ts) == (BOB.peer_id, NOW)
     assert bob.seal_refusal("v=1,garbage", refusal, NOW) is None
     assert bob.seal_refusal(None, refusal, NOW) is None
 

@@ -154,7 +154,7 @@ async def test_a_refusal_as_stale_is_sealed_with_the_nodes_time(
     """Over real HTTP: the refusal carries the node's time under a seal the requester can
     check (``SEALED_REFUSALS_PER_S`` of them a second; then unsealed); the transport reports
     every seal's time, a successful reply's and a stale refusal's."""
-    from node.server import SEALED_REFUSALS_PER_S
+    from node.net.transport import SEALED_REFUSALS_PER_S
     from protocol.auth import parse_proof
 
     alice = SwarmAuth(KEY.encode(), ALICE)

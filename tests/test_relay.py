@@ -106,9 +106,11 @@ def test_routes_go_through_relays_by_peer_id_or_by_an_unshared_address() -> None
         record("c", "192.168.7.9:7070", [f"{k}.0.0.1:1" for k in range(9)]),
         record("d", "5.5.5.5:7070"),  # dialled directly
     ]
+    peers.append(record("r1", "1.1.1.1:7070"))  # the table knows one of a's relays
     routes = RelayRoutes(hub(), lambda: peers)
     route = routes.route("192.168.1.2:7070", "a")
     assert route is not None and route.relays == ("1.1.1.1:7070", "2.2.2.2:7070")
+    assert route.relay_ids == ("r1", "")  # who each relay is, where known
     assert route.local is None
     route = routes.route("192.168.1.2:7070", "b")  # by peer id: no ambiguity
     assert route is not None and route.relays == ("3.3.3.3:7070",)
@@ -188,6 +190,79 @@ async def test_a_relay_that_answered_stays_attached_while_a_silent_candidate_is_
         silent.close()
         for w in held:
             w.close()
+        await runner.cleanup()
+
+
+async def test_a_relay_refuses_a_stale_request_sealed_with_its_own_time() -> None:
+    """Over real HTTP, in a keyed swarm: a sender whose clock reads five minutes early sends
+    to a node behind a relay. The relay refuses the request as stale without passing it on,
+    sealed with its time; the sender reads that time from the relay it sent to (and only
+    when its table says who that relay is), as it reads a node's own stale refusal. A fresh
+    request then goes through to the node."""
+    import asyncio
+
+    from aiohttp import web
+
+    from node.net.relay import RelayClient
+    from node.net.transport import RELAY_PATH, HttpTransport, Route
+    from protocol.frames import Limits
+    from protocol.messages import Ack, Leave
+    from swarm.seams import TransportError
+
+    key = secrets.token_bytes(32)
+    relay_auth, node_auth, sender_auth = (SwarmAuth(key, Identity.generate()) for _ in range(3))
+    relay_id, node_id = relay_auth.identity.peer_id, node_auth.identity.peer_id
+    h = RelayHub(
+        peer_id=relay_id, auth=relay_auth, max_frame_bytes=1 << 20, capacity=2, max_bytes_per_s=0
+    )
+    app = web.Application()
+    app.router.add_get(RELAY_PATH, h.handle_attach)
+    app.router.add_post(RELAY_PATH + "/{peer}", h.handle_forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    relay_at = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    served: list[bytes] = []
+
+    async def serve(header: str | None, frame: bytes, origin: str) -> Any:
+        served.append(frame)  # the node's side: answer with its own seal
+        incoming = node_auth.accept(header, "POST", "/rpc", time.time())
+        incoming.verify(frame_digest([frame]))
+        ack = b"".join(bytes(b) for b in encode_message(Ack()))
+        return 200, incoming.seal_reply(frame_digest([ack])), ack
+
+    client = RelayClient(
+        peer_id=node_id, auth=node_auth, max_frame_bytes=1 << 20, want=1, serve=serve
+    )
+    seen: list[tuple[str, float, float, float]] = []
+    sender = HttpTransport(Limits(), sender_auth)
+    sender.sealed_time = lambda *sample: seen.append(sample)
+    known = Route(node_id, (relay_at,), (relay_id,))
+    await sender.start()
+    try:
+        relay = PeerRecord(peer_id=relay_id, address=relay_at, stage=0, relay_slots=2)
+        assert await client.top_up([relay])
+        while not h.attached(node_id):
+            await asyncio.sleep(0.02)
+        sender_auth.clock_offset_s = -300.0
+        for route, learned in ((known, [relay_id]), (Route(node_id, (relay_at,)), [])):
+            sender.routes = lambda address, peer_id, route=route: route
+            seen.clear()
+            with pytest.raises(TransportError) as e:
+                await sender.request("10.9.9.9:7070", Leave(peer_id=node_id), 5, node_id)
+            assert e.value.code == "auth_stale", e.value
+            assert [who for who, *_ in seen] == learned
+            for _, sent, sealed, received in seen:  # the relay's clock is this machine's
+                assert sent - 0.01 <= sealed <= received + 0.01
+        assert served == [] and h.stats.requests["auth_stale"] == 2  # never passed on
+        sender_auth.clock_offset_s = 0.0
+        sender.routes = lambda address, peer_id: known
+        await sender.request("10.9.9.9:7070", Leave(peer_id=node_id), 5, node_id)
+        assert len(served) == 1 and [who for who, *_ in seen[-1:]] == [node_id]
+    finally:
+        await sender.close()
+        await client.close()
         await runner.cleanup()
 
 

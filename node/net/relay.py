@@ -13,7 +13,9 @@ for the relayed node and checked by it, and its reply's seal by the sender, so i
 swarm a relay can drop traffic but cannot forge or alter it. A relay checks the proof of what
 it forwards too (meant for the attached node, swarm MAC, signature, fresh nonce), so a
 stranger cannot use it, and a node attaches only with a proof of its identity over the
-WebSocket's opening request. A relay serves at most ``net.relay_capacity`` nodes and
+WebSocket's opening request. A stale request the relay refuses itself, sealed with its own
+time, which the sender reads from the relay it sent to (``Route.relay_ids``), as it would a
+node's. A relay serves at most ``net.relay_capacity`` nodes and
 ``net.relay_max_bytes_per_s`` bytes a second; beyond that it refuses with ``relay_busy``.
 
 Owns: the WebSocket messages (``pack_request``, ``pack_reply``, ``unpack``), the relay's side
@@ -45,11 +47,12 @@ from node.net.transport import (
     RPC_PATH,
     Route,
     Served,
+    StaleSeals,
     digest_of,
     read_body,
 )
 from protocol.auth import AUTH_HEADER, SwarmAuth, frame_digest
-from protocol.errors import MalformedMessage, ProtocolError
+from protocol.errors import AuthStale, MalformedMessage, ProtocolError
 from protocol.frames import Limits
 from protocol.messages import Error, PeerRecord, encode_message
 from swarm.seams import TransportError
@@ -112,11 +115,6 @@ def unpack(data: bytes, max_bytes: int) -> tuple[int, int, Any, str | None, byte
     return kind, req_id, third, header, body
 
 
-def error_body(code: str, message: str) -> bytes:
-    """The frame of an ``Error`` refusal."""
-    return b"".join(bytes(b) for b in encode_message(Error(code=code, message=message)))
-
-
 # ---- the relay's side -------------------------------------------------------------------
 
 
@@ -168,6 +166,7 @@ class RelayHub:
         self.enabled: Callable[[], bool] = lambda: True
         """Whether this node may relay now (the daemon: not while it is relayed itself)."""
         self.stats = RelayStats()
+        self._stale_seals = StaleSeals(auth)
         self._nodes: dict[str, _Attached] = {}
         self._budget = max_bytes_per_s
         self._budget_at = time.monotonic()
@@ -273,6 +272,8 @@ class RelayHub:
             status, reply_header, reply = await self.exchange(
                 peer_id, header, body, request.remote or "?", RELAY_TIMEOUT_S
             )
+        except AuthStale as e:  # not passed on; sealed with this relay's time, as a node's
+            return self._refusal(e.code, str(e), e.http_status, relay=False, stale_proof=header)
         except ProtocolError as e:
             return self._refusal(e.code, str(e), e.http_status, relay=False)
         except RelayRefused as e:
@@ -282,12 +283,25 @@ class RelayHub:
         headers = {AUTH_HEADER: reply_header} if reply_header else None
         return web.Response(status=status, body=reply, headers=headers, content_type=CONTENT_TYPE)
 
-    def _refusal(self, code: str, message: str, status: int, relay: bool = True) -> web.Response:
+    def _refusal(
+        self,
+        code: str,
+        message: str,
+        status: int,
+        relay: bool = True,
+        stale_proof: str | None = None,
+    ) -> web.Response:
+        """Count and answer a refusal: ``relay``, the relay's own (the sender tries its next
+        relay); one of a request as stale (its proof header, ``stale_proof``) is sealed with
+        this relay's time (``StaleSeals``), which the sender reads from its relay alone."""
         self.stats.requests[code] += 1
+        refusal = Error(code=code, message=message)
         headers = {RELAY_REFUSAL_HEADER: code} if relay else None
+        if stale_proof is not None:
+            headers = self._stale_seals.headers(stale_proof, refusal)
         return web.Response(
             status=status,
-            body=error_body(code, message),
+            body=b"".join(bytes(b) for b in encode_message(refusal)),
             headers=headers,
             content_type=CONTENT_TYPE,
         )
@@ -358,11 +372,15 @@ class RelayRoutes:
 
     def update(self, records: Iterable[PeerRecord]) -> None:
         """Take the relays of the peers in ``records``."""
+        records = list(records)
+        at = {p.address: p.peer_id for p in records if not p.relays}  # who each relay is
         by_peer: dict[str, Route] = {}
         by_address: dict[str, Route | None] = {}
         for p in records:
             if p.relays:
-                route = by_peer[p.peer_id] = Route(p.peer_id, tuple(p.relays[:MAX_RELAYS]))
+                relays = tuple(p.relays[:MAX_RELAYS])
+                ids = tuple(at.get(r, "") for r in relays)
+                route = by_peer[p.peer_id] = Route(p.peer_id, relays, ids)
                 by_address[p.address] = None if p.address in by_address else route
         self._by_peer, self._by_address = by_peer, by_address
 
@@ -376,7 +394,8 @@ class RelayRoutes:
         route = self._by_peer.get(peer_id) if peer_id else self._by_address.get(address)
         pid = route.peer_id if route is not None else peer_id
         if pid and self.hub.attached(pid):  # this node is its relay: over its WebSocket
-            return Route(pid, route.relays if route else (), self._local(pid))
+            relays, ids = (route.relays, route.relay_ids) if route else ((), ())
+            return Route(pid, relays, ids, local=self._local(pid))
         return route
 
     def _local(self, peer_id: str) -> Callable[[str | None, bytes, float], Awaitable[Served]]:

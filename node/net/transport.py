@@ -36,6 +36,7 @@ from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
 from protocol.errors import FrameTooLarge, ProtocolError
 from protocol.frames import SMALL_FRAME_BYTES, Limits, frame_nbytes
 from protocol.messages import Ack, Error, Message, decode_message, encode_message
+from swarm.admission import TokenBuckets
 from swarm.seams import TransportError
 
 CONTENT_TYPE = "application/x-murmuration-frame"
@@ -50,6 +51,10 @@ next relay; a refusal by the relayed node itself passes through without it."""
 Served = tuple[int, str | None, bytes]
 """A reply as a relay carries it: HTTP status, the ``X-Murmur-Auth`` seal (or None), frame."""
 
+SEALED_REFUSALS_PER_S = 10.0
+"""Refusals as stale sealed with this node's time, at most, a second (one signature each);
+beyond that they go unsealed, as other refusals do."""
+
 
 @dataclass(frozen=True)
 class Route:
@@ -58,6 +63,9 @@ class Route:
     peer_id: str
     relays: tuple[str, ...]
     """Its relays' addresses, tried in turn (``POST /relay/<peer id>``)."""
+    relay_ids: tuple[str, ...] = ()
+    """The peer ids at those addresses, where the peer table knows them ("" where not): a
+    relay's seal on its own refusal as stale is read only from the relay it was sent to."""
     local: Callable[[str | None, bytes, float], Awaitable[Served]] | None = None
     """Set when this node is one of its relays: the exchange over its WebSocket."""
 
@@ -196,6 +204,29 @@ async def sealed_response(msg: Message, incoming: Incoming | None) -> web.Respon
     buffers = encode_message(msg)
     header = incoming.seal_reply(await digest_of(buffers))
     return _response(frame_body(buffers), headers={AUTH_HEADER: header})
+
+
+class StaleSeals:
+    """Seals this node's refusals of requests as stale with its time
+    (``SwarmAuth.seal_refusal``), so that a member whose clock is far off learns the
+    swarm's time from members (``node.net.swarmtime``): at most ``SEALED_REFUSALS_PER_S`` a
+    second, each costing a signature; beyond that they go unsealed, as other refusals do.
+    The node's server and its relay hub each hold one."""
+
+    def __init__(self, auth: SwarmAuth | None) -> None:
+        self.auth = auth
+        self._budget = TokenBuckets(SEALED_REFUSALS_PER_S, SEALED_REFUSALS_PER_S, 1)
+
+    def headers(self, stale_proof: str | None, refusal: Message) -> dict[str, str] | None:
+        """The headers of ``refusal``, a refusal of the request whose proof header was
+        ``stale_proof``: its seal, or None (an open swarm, a proof that does not parse, or
+        over the budget)."""
+        if self.auth is None or not self._budget.allow(0, time.monotonic()):
+            return None
+        seal = self.auth.seal_refusal(
+            stale_proof, frame_digest(encode_message(refusal)), time.time()
+        )
+        return None if seal is None else {AUTH_HEADER: seal}
 
 
 async def digest_of(buffers: Sequence[bytes | bytearray | memoryview]) -> bytes:
@@ -358,19 +389,22 @@ class HttpTransport:
         header = sent.header if sent is not None else None
         size = frame_nbytes(buffers)
         sent_at = time.time()
+        relay_id = ""  # the relay that carried it, where known: it may seal a stale refusal
         if route is None:
             status, seal, raw, _ = await self._post(
                 self._url(address), frame_body(buffers), header, timeout_s, address
             )
         else:
-            status, seal, raw = await self._relayed(route, buffers, header, timeout_s, address)
+            status, seal, raw, relay_id = await self._relayed(
+                route, buffers, header, timeout_s, address
+            )
         received_at = time.time()
         self.bytes_sent += size
         self.bytes_received += len(raw)
         self.stats.sent_bytes[msg.TYPE] += size
         try:
             if sent is not None:  # a sealed reply is checked before it is decoded
-                sent.open_reply(status, seal, await digest_of([raw]))
+                sent.open_reply(status, seal, await digest_of([raw]), relay_id)
             reply = _ACK if raw == ACK_FRAME else decode_message(raw, self.limits)
             if sent is not None:
                 sent.check_reply(reply)
@@ -421,19 +455,22 @@ class HttpTransport:
         header: str | None,
         timeout_s: float,
         address: str,
-    ) -> tuple[int, str | None, bytes | bytearray]:
+    ) -> tuple[int, str | None, bytes | bytearray, str]:
         """The exchange with a peer that cannot be dialled: over its WebSocket when this node
         is its relay, else through its relays in turn (the next one when a relay is down or
-        refuses; not after a timeout, when the frame may have been delivered)."""
+        refuses; not after a timeout, when the frame may have been delivered). Returns the
+        reply as ``_post`` does, with the peer id of the relay that carried it ("" for none
+        or not known)."""
         why = "it names no relay"
         if route.local is not None:
             try:
-                return await route.local(header, b"".join(buffers), timeout_s)
+                return (*await route.local(header, b"".join(buffers), timeout_s), "")
             except TransportError as e:
                 if e.code == "timeout" or not route.relays:
                     raise
                 why = f"{e.code}: {e.message}"
-        for relay in route.relays:
+        ids = route.relay_ids or ("",) * len(route.relays)
+        for relay, relay_id in zip(route.relays, ids, strict=True):
             url = self._url(f"{relay}{RELAY_PATH}/{route.peer_id}", path="")
             try:
                 status, seal, raw, refusal = await self._post(
@@ -445,7 +482,7 @@ class HttpTransport:
                 why = e.message
                 continue
             if refusal is None:
-                return status, seal, raw
+                return status, seal, raw, relay_id
             why = f"relay {relay} refused: {refusal}"
         raise TransportError("unreachable", f"{address} (relayed): {why}")
 
