@@ -145,9 +145,8 @@ class Node:
             auth=self.auth,
             max_frame_bytes=net.max_frame_bytes,
             want=net.relays,
-            serve=lambda header, frame, origin: self.server.serve_relayed(header, frame, origin),
+            serve=lambda *relayed: self.server.serve_relayed(*relayed),
         )
-        self.reachability = ReachabilityService(self.ctx, self.relays)
         self.relay_hub = RelayHub(
             peer_id=self.peer_id,
             auth=self.auth,
@@ -156,6 +155,8 @@ class Node:
             max_bytes_per_s=net.relay_max_bytes_per_s,
             tamper=net.debug_relay_tamper,
         )
+        self.reachability = ReachabilityService(self.ctx, self.relays, self.relay_hub.attached)
+        self.relay_hub.on_attach = lambda _peer_id: self.reachability.attach_seen()
         # a node relays once peers can dial it (or nobody has said they cannot)
         self.relay_hub.enabled = lambda: (
             not net.force_relay and self.reachability.state in (DIRECT, UNKNOWN)

@@ -12,7 +12,8 @@ Owns the aiohttp application and what happens to a request before a service work
   balancer for a replica's request to leave or join the stage; the reachability check for
   dial-backs and their probes.
 - A frame a relay brings for this node over its WebSocket (``node.net.relay``) is served the
-  same way (``serve_relayed``), proof and all; only dial-backs are refused that way.
+  same way (``serve_relayed``), proof and all; only dial-backs are refused that way, but for
+  the relay's own, whose host is the one this node connected to.
 - ``GET /relay`` and ``POST /relay/<peer id>``: this node relaying for nodes that cannot be
   dialled (``node.net.relay.RelayHub``).
 - ``GET /status``: the node's view of the swarm, as JSON; ``GET /``: a page drawing it
@@ -172,15 +173,19 @@ class NodeServer:
             return raw, arrival_rate(len(raw), time.perf_counter() - t0)
 
         header = request.headers.get(AUTH_HEADER)
-        return await self._serve(header, body, request.remote or "?", relayed=False)
+        return await self._serve(header, body, request.remote or "?", hearsay=False)
 
-    async def serve_relayed(self, header: str | None, frame: bytes, origin: str) -> Served:
-        """A frame a relay brought (``node.net.relay``), served as ``/rpc`` serves one."""
+    async def serve_relayed(
+        self, header: str | None, frame: bytes, origin: str, firsthand: bool
+    ) -> Served:
+        """A frame a relay brought (``node.net.relay``), served as ``/rpc`` serves one; its
+        sender's host ``origin`` is the relay's word unless ``firsthand`` (the relay's own
+        request: the host this node connected to)."""
 
         async def body() -> tuple[bytes, float]:
             return frame, 0.0  # the relay read it: no time of the sender's link to report
 
-        resp = await self._serve(header, body, origin, relayed=True)
+        resp = await self._serve(header, body, origin, hearsay=not firsthand)
         return resp.status, resp.headers.get(AUTH_HEADER), response_frame(resp)
 
     async def _serve(
@@ -188,7 +193,7 @@ class NodeServer:
         header: str | None,
         body: Callable[[], Awaitable[tuple[bytes | bytearray, float]]],
         peer_host: str,
-        relayed: bool,
+        hearsay: bool,
     ) -> web.Response:
         """One frame in, one frame out: the proof's cheap checks before the body is read.
         ``body()``: the frame and the rate it arrived at (``swarm.wirecodec.arrival_rate``)."""
@@ -198,7 +203,7 @@ class NodeServer:
             msg = await open_frame(raw, self.limits, incoming, server_stats(self.app))
             if incoming is not None:
                 incoming.check_sender(msg)
-            reply = await self._dispatch(msg, peer_host, relayed)
+            reply = await self._dispatch(msg, peer_host, hearsay)
             if rate and isinstance(msg, Forward | Backward) and isinstance(reply, Ack):
                 reply = replace(reply, rate=rate)  # the sender chooses its wire codec by it
         except AuthStale as e:  # sealed with this node's time, so a far-off clock can learn it
@@ -236,7 +241,8 @@ class NodeServer:
         headers = None if stale_proof is None else self._stale_seals.headers(stale_proof, reply)
         return frame_response(reply, status=status, headers=headers)
 
-    async def _dispatch(self, msg: Message, peer_host: str, relayed: bool) -> Message:
+    async def _dispatch(self, msg: Message, peer_host: str, hearsay: bool) -> Message:
+        """``hearsay``: ``peer_host`` is a relay's word, not a socket's."""
         self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
         if isinstance(msg, Hello):
             return self.membership.handle_hello(msg, peer_host)
@@ -255,7 +261,7 @@ class NodeServer:
         if isinstance(msg, FetchState):
             return await self._on_fetch_state(msg)
         if isinstance(msg, DialBack):
-            if relayed:  # the host it came from is only the relay's word: dial nobody
+            if hearsay:  # the host it came from is only the relay's word: dial nobody
                 raise Refused("relayed", "dial-backs are not answered through a relay", 400)
             return await self.reachability.on_dial_back(msg, peer_host)
         if isinstance(msg, DialProbe):

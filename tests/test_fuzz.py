@@ -377,7 +377,7 @@ def test_handlers_answer_or_refuse_and_never_crash(
     target = ring if isinstance(decoded, RingChunk) else node
     try:
         reply = loop.run_until_complete(
-            target.server._dispatch(decoded, "127.0.0.1", relayed=False)
+            target.server._dispatch(decoded, "127.0.0.1", hearsay=False)
         )
         assert isinstance(reply, Message)
     except (ProtocolError, Refused):

@@ -280,13 +280,16 @@ def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
     netns_lab: Callable[[int], Lab],  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """Four ``--stage auto`` volunteers behind four home routers start at once, with a
-    public head as the only relay. Each learns it cannot be dialled, attaches to the head,
-    and only then announces a stage; the announcements of its fellow joiners reach it only
-    through the head (pushed over their relay links), later than on a LAN. The join's turns
-    (``swarm.balance.settle_join``) must still see them: two on each block stage. And each
-    must learn it is NATed before it serves, though the first peers it asks to dial it back
-    may be NATed joiners nobody can reach (``node.services.reachability``)."""
+    """Four ``--stage auto`` volunteers behind four home routers start at once, and with
+    them a public head, their bootstrap and only relay. Each learns it cannot be dialled,
+    attaches to the head, and only then announces a stage; the announcements of its fellow
+    joiners reach it only through the head (pushed over their relay links), later than on a
+    LAN. The join's turns (``swarm.balance.settle_join``) must still see them: two on each
+    block stage. And each must learn it is NATed before it serves, though the first peers it
+    asks to dial it back may be NATed joiners nobody can reach
+    (``node.services.reachability``). The head, whose only peers are those joiners, is
+    verified by the first that attaches to it (before, nobody could answer its check, and it
+    served unverified after three checks, about 10 s)."""
     lab = netns_lab(1)
     (public_head,) = lab.hosts
     natted = [lab.add_natted() for _ in range(4)]
@@ -296,7 +299,6 @@ def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
     logs = [join(public_head, "0", None, tmp_path / "head.log", swarm, two)]
     names = ["head", *(f"natted{k}" for k in range(4))]
     try:
-        wait_for(lambda: status_of(public_head)["stage"] == 0, 60, "the head (the bootstrap)")
         logs += [
             join(host, "auto", head, tmp_path / f"natted{k}.log", swarm, two)
             for k, host in enumerate(natted)
@@ -317,6 +319,11 @@ def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
             # for "nobody to ask" and served announced as direct, unreachable for 30 s
             relayed, serving = text.find("reachability: relayed"), text.find("serving stage")
             assert 0 <= relayed < serving, text[-3000:]
+        st = status_of(public_head)
+        print("the head:", st["reachability"])
+        assert st["stage"] == 0 and st["reachability"]["state"] == "direct"
+        assert set(st["reachability"]["checked_by"]) <= {s["peer_id"] for s in sts}
+        assert "serving unverified" not in (tmp_path / "head.log").read_text(errors="replace")
         wait_for(lambda: completed(public_head) >= 1, 120, "a microbatch through the relays")
     finally:
         lab.close()

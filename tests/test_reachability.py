@@ -220,3 +220,59 @@ async def test_a_joining_node_nobody_answers_asks_again_before_it_serves(nodes: 
     await asyncio.wait_for(c.reachability.until_servable(lambda: None), 10)
     assert c.reachability.state == "unknown" and c.reachability.unanswered
     assert asyncio.get_running_loop().time() - t0 >= 0.1 * (UNANSWERED_TRIES - 1)
+
+
+async def test_a_public_node_whose_only_peer_is_natted_is_verified_once_it_attaches(
+    nodes: Any,
+) -> None:
+    """A public node started together with NATed joiners knows only them, and nobody can
+    reach them: its check goes unanswered. Before, a relayed peer refused every dial-back
+    (its asker's host was only the relay's word), so the node served unverified after
+    ``UNANSWERED_TRIES`` checks (about 10 s), and a joiner could take its stage meanwhile.
+    Now the joiner that attaches to it wakes its check at once, is asked first, and dials
+    back the host it connected to. A dial-back passed on by a relay is still refused."""
+    import asyncio
+
+    from node.services.reachability import RECHECK_UNANSWERED_S
+    from protocol.messages import Error, decode_message, encode_message
+
+    p = await nodes()  # public
+    n = await nodes(**{"net.reachability_retry_s": 0.2})
+    port = n.state.address.rsplit(":", 1)[1]
+    n.state.address = f"127.0.0.9:{port}"  # announced, and nothing listens there: NATed
+    introduce(p, n)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    public = asyncio.ensure_future(p.reachability.until_servable(lambda: None))
+    while not p.reachability.unanswered:  # it asked the joiner, who cannot be reached
+        await asyncio.sleep(0.01)
+    await n.reachability.until_servable(lambda: None)
+    assert n.reachability.state == "relayed" and p.relay_hub.attached(n.peer_id)
+    await asyncio.wait_for(public, RECHECK_UNANSWERED_S)
+    assert p.reachability.state == "direct", p.status()["reachability"]
+    assert p.status()["reachability"]["checked_by"] == [n.peer_id]
+    assert loop.time() - t0 < RECHECK_UNANSWERED_S  # woken by the attach, not the timer
+
+    # a dial-back another peer sends through the relay: its host is the relay's word
+    ask = DialBack(address="127.0.0.1:9", nonce="ab" * 4, sender=p.peer_id)
+    frame = b"".join(bytes(b) for b in encode_message(ask))
+    status, _, reply = await n.server.serve_relayed(None, frame, "127.0.0.1", firsthand=False)
+    refused = decode_message(reply)
+    assert status == 400 and isinstance(refused, Error) and refused.code == "relayed"
+
+
+def test_peers_are_asked_in_waves_of_one_standing() -> None:
+    """By hand: standing 0 (attached to this node), 1 (spoke to it), 2 (the rest); six
+    peers at most, two at once, and never a likely one in a wave with an unlikely one."""
+    from node.services.reachability import MAX_ASKED, NUM_ASKED, asking_waves
+    from protocol.messages import PeerRecord
+
+    assert (MAX_ASKED, NUM_ASKED) == (6, 2)
+    ranked = [
+        PeerRecord(peer_id=c * 16, address=f"10.0.0.{i}:1", stage=1)
+        for i, c in enumerate("abcdefgh")
+    ]
+    standing = dict(zip("abcdefgh", [2, 2, 0, 1, 2, 1, 2, 2], strict=True))
+    waves = asking_waves(ranked, lambda p: standing[p.peer_id[0]])
+    assert [[p.peer_id[0] for p in w] for w in waves] == [["c"], ["d", "f"], ["a", "b"], ["e"]]
+    assert asking_waves([], lambda p: 0) == []

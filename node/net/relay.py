@@ -40,6 +40,7 @@ import aiohttp
 import msgpack
 from aiohttp import web
 
+from node.config import parse_hostport
 from node.net.transport import (
     CONTENT_TYPE,
     RELAY_PATH,
@@ -60,6 +61,9 @@ from swarm.seams import TransportError
 log = logging.getLogger(__name__)
 
 REQUEST, REPLY = 0, 1
+FROM_RELAY = "(its relay)"
+"""A request's origin when the relay itself sends it (never a host: a relay names the host
+a passed-on request came from as its socket reports it)."""
 REFRESH_S = 0.5
 """How stale the relays of peers in ``RelayRoutes`` may be (a table scan per half second)."""
 MAX_RELAYS = 4
@@ -74,6 +78,9 @@ HEARTBEAT_S = 2.0
 """WebSocket ping interval: a relay that died is noticed within about two of them."""
 PROBED = 4
 """Candidate relays a node connects to at once when it needs one; it keeps the best."""
+ATTACH_GRACE_S = 1.0
+"""Once one candidate relay has answered, how much longer the others may take, to be
+compared with it (by round-trip time and free slots), before they are given up."""
 RETRY_FAILED_S = 30.0
 """How long a node leaves a relay that refused it or could not be reached."""
 WS_OVERHEAD_BYTES = 4096
@@ -165,6 +172,9 @@ class RelayHub:
         """Testing only (``net.debug_relay_tamper``): flip a byte of every relayed frame."""
         self.enabled: Callable[[], bool] = lambda: True
         """Whether this node may relay now (the daemon: not while it is relayed itself)."""
+        self.on_attach: Callable[[str], None] = lambda peer_id: None
+        """Called with the peer id of each node that attaches (the daemon: a reachability
+        check it can now answer)."""
         self.stats = RelayStats()
         self._stale_seals = StaleSeals(auth)
         self._nodes: dict[str, _Attached] = {}
@@ -215,6 +225,7 @@ class RelayHub:
             await old.ws.close()
         self.stats.attaches["ok"] += 1
         log.info("relaying for %s (%s)", peer_id[:8], request.remote)
+        self.on_attach(peer_id)
         try:
             async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.BINARY:
@@ -400,7 +411,7 @@ class RelayRoutes:
 
     def _local(self, peer_id: str) -> Callable[[str | None, bytes, float], Awaitable[Served]]:
         async def exchange(header: str | None, body: bytes, timeout_s: float) -> Served:
-            return await self.hub.exchange(peer_id, header, body, "(its relay)", timeout_s)
+            return await self.hub.exchange(peer_id, header, body, FROM_RELAY, timeout_s)
 
         return exchange
 
@@ -435,14 +446,16 @@ class RelayClient:
         auth: SwarmAuth | None,
         max_frame_bytes: int,
         want: int,
-        serve: Callable[[str | None, bytes, str], Awaitable[Served]],
+        serve: Callable[[str | None, bytes, str, bool], Awaitable[Served]],
     ) -> None:
         self.peer_id = peer_id
         self.auth = auth
         self.max_frame_bytes = max_frame_bytes
         self.want = want
         self.serve = serve
-        """Serve one relayed frame: ``(proof header, frame, sender's host) -> reply``."""
+        """Serve one relayed frame: ``(proof header, frame, sender's host, first-hand) ->
+        reply``. First-hand: the relay itself sent it, so its host is the one this node
+        connected to, not the relay's word (a dial-back may then be answered)."""
         self.served: Counter[str] = Counter()
         self._links: dict[str, _Link] = {}
         self._failed: dict[str, float] = {}
@@ -485,14 +498,30 @@ class RelayClient:
         ]
         if missing > 0 and fresh:
             fresh.sort(key=lambda p: -p.relay_slots)
-            probed = await asyncio.gather(*(self._attach(p) for p in fresh[:PROBED]))
-            links = sorted((link for link in probed if link is not None), key=_cost)
+            links = sorted(await self._probe(fresh[:PROBED]), key=_cost)
             for link in links[:missing]:
                 self._links[link.address] = link
                 log.info("attached to relay %s (%.1f ms)", link.address, link.rtt_s * 1e3)
             for link in links[missing:]:
                 await link.ws.close()
         return set(self.addresses) != before
+
+    async def _probe(self, relays: Sequence[PeerRecord]) -> list[_Link]:
+        """Attach to ``relays`` at once; once one has answered, those still connecting get
+        ``ATTACH_GRACE_S`` more, and are given up after it and left alone as failed ones
+        are (a NATed candidate's private address can swallow a connection until its
+        timeout; a node short of relays tops up at its next housekeeping)."""
+        tasks = {asyncio.create_task(self._attach(p)): p for p in relays}
+        pending: set[asyncio.Task[_Link | None]] = set(tasks)
+        while pending and not any(t.done() and t.result() is not None for t in tasks):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=ATTACH_GRACE_S)
+        for task in pending:
+            task.cancel()
+            self._failed[tasks[task].address] = time.monotonic()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return [link for t in tasks if not t.cancelled() and (link := t.result()) is not None]
 
     async def _attach(self, relay: PeerRecord) -> _Link | None:
         if self._session is None:
@@ -555,7 +584,9 @@ class RelayClient:
         if kind != REQUEST:
             self.served["malformed"] += 1
             return
-        status, reply_header, reply = await self.serve(header, body, origin)
+        firsthand = origin == FROM_RELAY  # over the connection this node opened to it
+        host = parse_hostport(link.address)[0] if firsthand else origin
+        status, reply_header, reply = await self.serve(header, body, host, firsthand)
         self.served["ok" if status == 200 else "refused"] += 1
         # a relay that died meanwhile: the sender's request fails and is retried elsewhere
         with contextlib.suppress(ConnectionError, RuntimeError):

@@ -13,11 +13,19 @@ way: peers dial back). This module owns both sides of the check:
   says nothing about this node, so a check nobody answered leaves an earlier verdict about
   the same address as it was; a check none of whose peers answered asks the next
   ``NUM_ASKED`` candidates, up to ``MAX_ASKED`` peers (each silent one costs the request's
-  timeout, so a check that has an answer looks no further). Peers are asked in
-  ``swarm.peers.dialled_first`` order: direct ones serving a stage (they passed this check
-  themselves), then other direct ones (a volunteer that has just joined may sit behind a
-  NAT it has not found yet, and nobody can reach it to ask), then relayed ones, which
-  refuse dial-backs (the asker's host would be only its relay's word).
+  timeout, so a check that has an answer looks no further). Peers are asked by standing
+  (``asking_waves``): those attached to this node as their relay first, then those that
+  have spoken to it (a joiner's bootstrap answered it), then the rest (a joiner's fellow
+  joiners, known only from others, perhaps behind NATs whose private addresses swallow a
+  request until its timeout), and no wave mixes two standings, so a likely answer is not
+  held up by a silent peer. Within a standing, in ``swarm.peers.dialled_first`` order:
+  direct ones serving a stage (they passed this check themselves), then other direct ones
+  (a volunteer that has just joined may sit behind a NAT it has not found yet), then
+  relayed ones, which refuse dial-backs (the asker's host would be only its relay's word)
+  unless the asker is their relay: a request their relay sends itself comes over the
+  connection they opened to its host, so they dial that host back. A joining node whose
+  check nobody answered asks again as soon as a peer attaches to it (so a public node whose
+  only peers are NATed joiners is verified by the first one that takes it as relay).
   The verdict, with one line of advice, is logged, shown by ``node status`` and exported as
   a metric.
 - **answering.** A peer's ``DialBack`` is dialled back only at the host its request came
@@ -41,6 +49,7 @@ way: peers dial back). This module owns both sides of the check:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -78,13 +87,39 @@ RELAY_WAIT_S = 2.0
 """How often a node forced to relay (``net.force_relay``) looks for a relay until it has one."""
 
 
+def asking_waves(
+    ranked: list[PeerRecord], standing: Callable[[PeerRecord], int]
+) -> list[list[PeerRecord]]:
+    """The first ``MAX_ASKED`` peers of ``ranked`` by ``standing`` (lowest first; ties keep
+    ``ranked``'s order), in the waves a check asks them in: at most ``NUM_ASKED`` at once,
+    and no wave mixes two standings, so a peer likely to answer is not held up by an
+    unlikely one (a wave waits for all its peers, and a silent one costs a full timeout)."""
+    waves: list[list[PeerRecord]] = []
+    last = None
+    for rank, p in sorted(((standing(p), p) for p in ranked), key=lambda rp: rp[0])[:MAX_ASKED]:
+        if not waves or rank != last or len(waves[-1]) >= NUM_ASKED:
+            waves.append([])
+        waves[-1].append(p)
+        last = rank
+    return waves
+
+
 class ReachabilityService:
     """This node's reachability (asking) and its dial-backs for peers (answering)."""
 
-    def __init__(self, ctx: NodeContext, relays: RelayClient) -> None:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        relays: RelayClient,
+        attached: Callable[[str], bool] = lambda peer_id: False,
+    ) -> None:
         self.ctx = ctx
         self.relays = relays
         """This node's relays, used while peers cannot dial it."""
+        self.attached = attached
+        """Whether a peer is attached to this node as its relay (``RelayHub.attached``)."""
+        self._attach = asyncio.Event()
+        """Set when a peer attaches (``attach_seen``): one that can answer a check."""
         self.state = UNKNOWN
         self.checked_address = ""
         """The address the last check was about."""
@@ -130,7 +165,8 @@ class ReachabilityService:
                     )
                     return
                 wait = min(wait, RECHECK_UNANSWERED_S)
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):  # a peer that can answer attached
+                await asyncio.wait_for(self._attach.wait(), wait)
             adopt_observed()
 
     async def keep(self) -> None:
@@ -154,19 +190,34 @@ class ReachabilityService:
 
     # ---- asking -------------------------------------------------------------------------
 
+    def attach_seen(self) -> None:
+        """A peer attached to this node as its relay: a joining node whose check nobody
+        answered asks again now (``until_servable``), that peer first."""
+        self._attach.set()
+
     async def check(self) -> str:
-        """Ask peers to dial this node back at its announced address; returns the state."""
+        """Ask peers to dial this node back at its announced address; returns the state.
+        Peers attached to this node as their relay are asked first: over the link they
+        opened, they answer for certain, and dial back the host they connect to."""
         ctx = self.ctx
         address = ctx.state.address
-        candidates = dialled_first(ctx.table.records(), ctx.rng)[:MAX_ASKED]
-        self.unanswered = bool(candidates)
-        if not candidates:
+        self._attach.clear()
+        now = ctx.clock.now()
+
+        def standing(p: PeerRecord) -> int:
+            if self.attached(p.peer_id):
+                return 0  # it answers over the link it opened to this node
+            return 1 if ctx.table.silent_s(p.peer_id, now) is not None else 2
+
+        waves = asking_waves(dialled_first(ctx.table.records(), ctx.rng), standing)
+        self.unanswered = bool(waves)
+        if not waves:
             self._settle(UNKNOWN, address, [], "no peer to ask yet")
             return self.state
         answers: list[tuple[str, bool, str]] = []  # (peer id, reached, why)
         silent: list[str] = []  # why each peer that did not answer did not
-        while candidates and not answers:  # one answer is a verdict; seek no second one
-            wave, candidates = candidates[:NUM_ASKED], candidates[NUM_ASKED:]
+        while waves and not answers:  # one answer is a verdict; seek no second one
+            wave = waves.pop(0)
             for p, (v, why) in zip(
                 wave, await asyncio.gather(*(self._ask(p, address) for p in wave)), strict=True
             ):
