@@ -78,3 +78,34 @@ def test_the_estimate_is_renewed_at_most_every_update_s(setup: tuple[SwarmTime, 
     assert time.auth.clock_offset_s == pytest.approx(600.0)
     sample(time, mono, "b", 900.0)
     assert time.auth.clock_offset_s == pytest.approx(900.0)
+
+
+@pytest.mark.parametrize("skews", [(0, 300), (0, 0, 300, 300), (0, 0, 0, 300, 300, 300)])
+def test_a_swarm_split_half_and_half_between_two_clocks_settles_on_one(
+    skews: tuple[int, ...],
+) -> None:
+    """Members measure each other's *proof* clocks (a seal carries its sealer's corrected
+    time), so a correction feeds back: in a swarm split half and half, each half first
+    takes the other's time, and the two could swap for ever. With real ``SwarmTime``s
+    exchanging at random (five seeds; 5 to 50 ms round trips; a seal from every exchange,
+    as stale refusals are sealed too), every member's proofs settle on one time within 15 s
+    and stay there."""
+    import random
+
+    key = b"a swarm key for the tests"
+    for seed in range(5):
+        rng, mono = random.Random(seed), Mono()
+        members = [(skew, SwarmTime(SwarmAuth(key, Identity.generate()), mono)) for skew in skews]
+        proofs: list[tuple[float, ...]] = []
+        for _ in range(400):  # 40 s, an exchange every 0.1 s
+            mono.t += 0.1
+            (skew_a, a), (skew_b, b) = rng.sample(members, 2)
+            rtt = rng.uniform(0.005, 0.05)
+            sent = T + mono.t + skew_a  # a's wall clock
+            sealed = T + mono.t + rtt / 2 + skew_b + b.auth.clock_offset_s  # b's proof clock
+            a.observe(b.auth.identity.peer_id, sent, sealed, sent + rtt)
+            proofs.append(tuple(skew + m.auth.clock_offset_s for skew, m in members))
+        settled = proofs[150:]  # from 15 s on: one time, give or take the round trips
+        final = proofs[-1]
+        assert max(final) - min(final) < 0.1, (seed, final)
+        assert all(abs(x - final[0]) < 0.1 for p in settled for x in p), (seed, proofs[::20])
