@@ -19,7 +19,9 @@ import time
 import torch
 from aiohttp import web
 
+from node.config import NetConfig
 from node.net.netem import ShapedTransport
+from node.net.tcp import CongestionControl
 from node.net.transport import RPC_PATH, HttpTransport, frame_response, read_frame
 from protocol.errors import ProtocolError
 from protocol.frames import Limits
@@ -35,7 +37,9 @@ async def main(args: argparse.Namespace) -> None:
     me = addresses[args.index]
     ids = [f"w{i:03d}" for i in range(len(addresses))]
     limits = Limits()
-    http = HttpTransport(limits)
+    congestion = CongestionControl(NetConfig().tcp_congestion)  # the daemon's sockets' own
+    congestion.check()
+    http = HttpTransport(limits, congestion=congestion)
     await http.start()
     link = ShapedTransport(http, args.latency_ms / 1000, args.bandwidth_mbps * 125_000 or None)
     records = [
@@ -83,7 +87,7 @@ async def main(args: argparse.Namespace) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = me.rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await web.SockSite(runner, congestion.listening_socket(host, int(port))).start()
 
     gen = torch.Generator().manual_seed(args.index)
     phi = torch.randn(args.numel, generator=gen)

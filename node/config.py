@@ -134,6 +134,11 @@ class NetConfig:
     debug_relay_tamper: bool = False
     """Testing only: as a relay, flip one byte of every frame passed on (a keyed swarm's
     nodes must refuse them)."""
+    tcp_congestion: str = "bbr"
+    """TCP congestion control for this node's sockets (``node.net.tcp``): BBR keeps a thin
+    uplink's router queue short, so small messages do not wait behind an upload; where the
+    kernel does not allow it, the system default (said once at start). Empty: the system
+    default."""
     inject_latency_s: float = 0.0
     """Testbeds only: one-way delay added to every message this node sends (no netem here)."""
     inject_bandwidth_mbps: float = 0.0

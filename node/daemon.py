@@ -36,6 +36,7 @@ from node.net.addresses import ANY_HOST, DIRECT, UNKNOWN, announce_host, observe
 from node.net.netem import shaped
 from node.net.relay import RelayClient, RelayHub, RelayRoutes
 from node.net.swarmtime import SwarmTime
+from node.net.tcp import CongestionControl
 from node.net.transport import HttpTransport, TrafficStats, server_stats
 from node.pipeline import HopSender, WorkQueue
 from node.roles.base import StageRole
@@ -85,7 +86,9 @@ class Node:
         self.clock = MonotonicClock(config.node.debug_clock_skew_s)
         self.rng = random.Random(self.peer_id)
         limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
-        self.http = HttpTransport(limits, self.auth)
+        self.congestion = CongestionControl(config.net.tcp_congestion)  # BBR, where allowed
+        self.congestion.check()
+        self.http = HttpTransport(limits, self.auth, self.congestion)
         # a keyed swarm's proofs are stamped with the time most members seal (a clock hours
         # off still joins); None in an open swarm
         self.swarm_time = SwarmTime(self.auth) if self.auth is not None else None
@@ -146,6 +149,7 @@ class Node:
             max_frame_bytes=net.max_frame_bytes,
             want=net.relays,
             serve=lambda *relayed: self.server.serve_relayed(*relayed),
+            congestion=self.congestion,
         )
         self.relay_hub = RelayHub(
             peer_id=self.peer_id,
@@ -188,6 +192,7 @@ class Node:
             role=lambda: self.role,
             sync=lambda: self.sync,
             status=self.status,
+            congestion=self.congestion,
         )
 
     @property
@@ -292,6 +297,7 @@ class Node:
         if self.swarm_time is not None:
             out["swarm_time"] = self.swarm_time.status()
         out["wire"] = self.hops.wire_status()
+        out["tcp_congestion"] = self.congestion.status()
         out["reachability"] = self.reachability.status()
         out["relay"] = {
             "via": self.relays.status(),

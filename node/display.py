@@ -39,6 +39,12 @@ def format_status(st: dict[str, Any]) -> str:
             f"  this machine's clock is {abs(offset):.0f}s {'behind' if offset > 0 else 'ahead of'}"
             f" the swarm's: proofs carry the swarm's time (set the clock: timedatectl set-ntp true)"
         )
+    tcp = st.get("tcp_congestion")
+    if tcp and tcp["wanted"] and not tcp["active"]:
+        lines.append(
+            f"  TCP congestion control {tcp['wanted']} not available ({tcp['why']}): on a thin "
+            f"uplink small messages may wait behind uploads (see the log for how to allow it)"
+        )
     relay = st.get("relay")
     if relay and relay.get("nodes"):
         moved = sum(relay.get("bytes", {}).values()) / 1e6

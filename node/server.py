@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -46,6 +47,7 @@ from node.config import parse_hostport
 from node.context import NodeContext
 from node.logs import RateLimitedLog
 from node.net.relay import RelayHub
+from node.net.tcp import CongestionControl
 from node.net.transport import (
     RELAY_PATH,
     RPC_PATH,
@@ -121,6 +123,7 @@ class NodeServer:
         role: Callable[[], StageRole | None],
         sync: Callable[[], StageSync | None],
         status: Callable[[], dict[str, Any]],
+        congestion: CongestionControl,
     ) -> None:
         """``role()`` and ``sync()``: the current stage's (they change when the node moves);
         ``status()``: the node's status for ``GET /status``."""
@@ -137,6 +140,7 @@ class NodeServer:
         self.role = role
         self.sync = sync
         self.status = status
+        self.congestion = congestion
         self.app = web.Application(client_max_size=ctx.config.net.max_frame_bytes)
         self.app.router.add_post(RPC_PATH, self._handle_rpc)
         self.app.router.add_get(RELAY_PATH, relay_hub.handle_attach)
@@ -146,6 +150,8 @@ class NodeServer:
         self.app.router.add_post("/eval", self._handle_eval)
         self.app.router.add_post("/profile", self._handle_profile)
         self._runner: web.AppRunner | None = None
+        self.socket: socket.socket | None = None
+        """The listening socket, once started."""
         self._profiling = False
         self._log = RateLimitedLog(log)
         self._stale_seals = StaleSeals(auth)
@@ -155,7 +161,8 @@ class NodeServer:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
         host, port = parse_hostport(self.ctx.config.net.listen, "net.listen")
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        self.socket = self.congestion.listening_socket(host, port)
+        site = web.SockSite(self._runner, self.socket)
         await site.start()
         bound: int = self._runner.addresses[0][1]
         return bound

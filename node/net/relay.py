@@ -41,6 +41,7 @@ import msgpack
 from aiohttp import web
 
 from node.config import parse_hostport
+from node.net.tcp import CongestionControl
 from node.net.transport import (
     CONTENT_TYPE,
     RELAY_PATH,
@@ -447,8 +448,12 @@ class RelayClient:
         max_frame_bytes: int,
         want: int,
         serve: Callable[[str | None, bytes, str, bool], Awaitable[Served]],
+        congestion: CongestionControl | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self.congestion = congestion
+        """The congestion control of its links (``node.net.tcp``): what it serves goes up
+        them."""
         self.auth = auth
         self.max_frame_bytes = max_frame_bytes
         self.want = want
@@ -525,7 +530,10 @@ class RelayClient:
 
     async def _attach(self, relay: PeerRecord) -> _Link | None:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            factory = self.congestion.socket_factory() if self.congestion is not None else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(socket_factory=factory)
+            )
         headers = None
         if self.auth is not None:
             sent = self.auth.sign_request(

@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import payload, web
 from yarl import URL
 
+from node.net.tcp import CongestionControl
 from protocol.auth import AUTH_HEADER, Incoming, SwarmAuth, frame_digest
 from protocol.errors import FrameTooLarge, ProtocolError
 from protocol.frames import SMALL_FRAME_BYTES, Limits, frame_nbytes
@@ -322,9 +323,16 @@ async def _read_bounded(
 class HttpTransport:
     """``Transport`` over HTTP/1.1 keep-alive connections (one pool per node)."""
 
-    def __init__(self, limits: Limits, auth: SwarmAuth | None = None) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        auth: SwarmAuth | None = None,
+        congestion: CongestionControl | None = None,
+    ) -> None:
         self.limits = limits
         self.auth = auth
+        self.congestion = congestion
+        """The congestion control of its connections (``node.net.tcp``); None: the system's."""
         """Seals requests and checks replies in a keyed swarm; None in an open one."""
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, URL] = {}
@@ -340,7 +348,8 @@ class HttpTransport:
         sealed at, received at; wall-clock seconds, ``node.net.swarmtime``)."""
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        factory = self.congestion.socket_factory() if self.congestion is not None else None
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, socket_factory=factory)
         self._session = aiohttp.ClientSession(connector=connector)
 
     async def close(self) -> None:

@@ -1,0 +1,38 @@
+"""The uplink benchmark's smoke run: ``bench.uplink_bloat --quick`` builds a host behind a
+router namespace whose uplink is a 10 Mbit/s token bucket with a 1 s queue, uploads 4 MB
+through it with CUBIC and with BBR, and times small requests beside each upload. It checks
+that the run goes end to end and reports what the full run reports (the full run's figures
+are in ``bench/README.md``), not which is faster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import uplink_bloat
+from node.net.tcp import CongestionControl
+from tests.netns import netns_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_the_uplink_benchmark_uploads_with_each_congestion_control(tmp_path: Path) -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    for name in uplink_bloat.VARIANTS:
+        cc = CongestionControl(name)
+        if not cc.check():
+            pytest.skip(f"congestion control {name} unavailable here: {cc.why}")
+    result = uplink_bloat.main(["--quick", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "uplink_bloat-quick.json").read_text()) == result
+    assert [r["congestion"] for r in result["runs"]] == list(uplink_bloat.VARIANTS)
+    for run in result["runs"]:
+        # 4 MB through 10 Mbit/s takes at least 3.4 s, and the small requests went on beside it
+        assert run["upload_s"] >= 4 * 2**20 * 8 / 10e6
+        assert len(run["during_ms"]) >= 3 and run["idle_ms"] > 0
+    summary = result["summary"]
+    assert set(summary) >= {"cubic", "bbr", "cubic_over_bbr_p50", "upload_s_bbr_over_cubic"}
+    assert 0.5 < summary["upload_s_bbr_over_cubic"] < 2.0  # the same upload either way
