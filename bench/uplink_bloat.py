@@ -92,6 +92,7 @@ async def upload(target: str, congestion: str, mb: float) -> dict[str, Any]:
             congestion_of(proto.transport.get_extra_info("socket"))
             for conns in small.connector._conns.values()  # type: ignore[union-attr]
             for proto, _ in conns
+            if proto.transport is not None
         ]
         assert pooled and set(pooled) == {congestion}, pooled
 
