@@ -56,6 +56,16 @@ def test_what_a_listening_socket_accepts_inherits_its_congestion_control() -> No
         listener.close()
 
 
+def test_a_port_in_use_is_named_in_the_error() -> None:
+    cc = CongestionControl("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: Address"):
+            cc.listening_socket("127.0.0.1", port)
+
+
 def test_one_the_kernel_does_not_have_leaves_the_default_and_says_what_to_run(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -120,9 +120,9 @@ class CongestionControl:
             sock.bind(address)
             sock.listen(backlog)
             sock.setblocking(False)
-        except OSError:
+        except OSError as e:
             sock.close()
-            raise
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
         return sock
 
     def status(self) -> dict[str, Any]:
