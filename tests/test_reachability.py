@@ -261,6 +261,27 @@ async def test_a_public_node_whose_only_peer_is_natted_is_verified_once_it_attac
     assert status == 400 and isinstance(refused, Error) and refused.code == "relayed"
 
 
+async def test_the_first_node_is_verified_by_the_first_natted_peer_that_attaches(
+    nodes: Any,
+) -> None:
+    """The swarm's first node has nobody to ask and serves at once, ``unknown``; it used to
+    check again only every ``RECHECK_UNKNOWN_S`` (30 s), and a NATed peer could not answer
+    even then. Now the first peer that attaches to it makes a check due, and answers it."""
+    p = await nodes()
+    await p.reachability.until_servable(lambda: None)  # nobody to ask: at once
+    assert p.reachability.state == "unknown" and not p.reachability.unanswered
+    n = await nodes(**{"net.reachability_retry_s": 0.2})
+    port = n.state.address.rsplit(":", 1)[1]
+    n.state.address = f"127.0.0.9:{port}"  # NATed
+    introduce(p, n)
+    assert not p.reachability.due(p.state.address)  # a peer came, but not 30 s ago
+    await n.reachability.until_servable(lambda: None)
+    assert n.reachability.state == "relayed" and p.reachability.due(p.state.address)
+    await p.reachability.keep()
+    assert p.reachability.state == "direct"
+    assert p.status()["reachability"]["checked_by"] == [n.peer_id]
+
+
 def test_peers_are_asked_in_waves_of_one_standing() -> None:
     """By hand: standing 0 (attached to this node), 1 (spoke to it), 2 (the rest); six
     peers at most, two at once, and never a likely one in a wave with an unlikely one."""

@@ -24,8 +24,9 @@ way: peers dial back). This module owns both sides of the check:
   relayed ones, which refuse dial-backs (the asker's host would be only its relay's word)
   unless the asker is their relay: a request their relay sends itself comes over the
   connection they opened to its host, so they dial that host back. A joining node whose
-  check nobody answered asks again as soon as a peer attaches to it (so a public node whose
-  only peers are NATed joiners is verified by the first one that takes it as relay).
+  check nobody answered asks again as soon as a peer attaches to it, and so does a node
+  serving ``unknown`` (the swarm's first, which had nobody to ask): a public node whose only
+  peers are NATed joiners is verified by the first one that takes it as relay.
   The verdict, with one line of advice, is logged, shown by ``node status`` and exported as
   a metric.
 - **answering.** A peer's ``DialBack`` is dialled back only at the host its request came
@@ -241,11 +242,14 @@ class ReachabilityService:
 
     def due(self, address: str) -> bool:
         """Whether to check again: the announced address changed, or the last check found
-        nobody to ask and peers have come since (at most every ``RECHECK_UNKNOWN_S``)."""
+        nobody to ask (or nobody answered) and peers have come since (at most every
+        ``RECHECK_UNKNOWN_S``), or one has attached to this node since: it can answer."""
         if address != self.checked_address:
             return True
+        if self.state != UNKNOWN or len(self.ctx.table) == 0:
+            return False
         age = time.monotonic() - (self.checked_at or 0.0)
-        return self.state == UNKNOWN and len(self.ctx.table) > 0 and age >= RECHECK_UNKNOWN_S
+        return age >= RECHECK_UNKNOWN_S or self._attach.is_set()
 
     async def _ask(self, peer: PeerRecord, address: str) -> tuple[bool | None, str]:
         """One peer's dial-back: (reached, or None when the peer did not answer; why)."""
