@@ -451,9 +451,9 @@ class RelayClient:
         congestion: CongestionControl | None = None,
     ) -> None:
         self.peer_id = peer_id
-        self.congestion = congestion
-        """The congestion control of its links (``node.net.tcp``): what it serves goes up
-        them."""
+        self.congestion = congestion or CongestionControl("")
+        """The congestion control of its links (``node.net.tcp``; by default the system's):
+        what it serves goes up them."""
         self.auth = auth
         self.max_frame_bytes = max_frame_bytes
         self.want = want
@@ -530,10 +530,8 @@ class RelayClient:
 
     async def _attach(self, relay: PeerRecord) -> _Link | None:
         if self._session is None:
-            factory = self.congestion.socket_factory() if self.congestion is not None else None
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(socket_factory=factory)
-            )
+            connector = aiohttp.TCPConnector(socket_factory=self.congestion.socket_factory())
+            self._session = aiohttp.ClientSession(connector=connector)
         headers = None
         if self.auth is not None:
             sent = self.auth.sign_request(

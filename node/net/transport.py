@@ -331,9 +331,10 @@ class HttpTransport:
     ) -> None:
         self.limits = limits
         self.auth = auth
-        self.congestion = congestion
-        """The congestion control of its connections (``node.net.tcp``); None: the system's."""
         """Seals requests and checks replies in a keyed swarm; None in an open one."""
+        self.congestion = congestion or CongestionControl("")
+        """The congestion control of its connections (``node.net.tcp``); by default the
+        system's."""
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, URL] = {}
         """``POST /rpc`` URL by peer address, parsed once (parsing took 3 % of a hop)."""
@@ -348,8 +349,9 @@ class HttpTransport:
         sealed at, received at; wall-clock seconds, ``node.net.swarmtime``)."""
 
     async def start(self) -> None:
-        factory = self.congestion.socket_factory() if self.congestion is not None else None
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, socket_factory=factory)
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=30, socket_factory=self.congestion.socket_factory()
+        )
         self._session = aiohttp.ClientSession(connector=connector)
 
     async def close(self) -> None:

@@ -193,7 +193,8 @@ class ReachabilityService:
 
     def attach_seen(self) -> None:
         """A peer attached to this node as its relay: a joining node whose check nobody
-        answered asks again now (``until_servable``), that peer first."""
+        answered asks again now (``until_servable``), that peer first, and a node serving
+        ``unknown`` is due a check (``due``)."""
         self._attach.set()
 
     async def check(self) -> str:
