@@ -139,6 +139,9 @@ class NetConfig:
     uplink's router queue short, so small messages do not wait behind an upload; where the
     kernel does not allow it, the system default (said once at start). Empty: the system
     default."""
+    uplink_pacing: str = "auto"
+    """Pace this node's uploads itself (``node.net.pacing``) so that they keep the router's
+    queue short: ``auto`` where its sockets do not get BBR, ``on`` or ``off``."""
     inject_latency_s: float = 0.0
     """Testbeds only: one-way delay added to every message this node sends (no netem here)."""
     inject_bandwidth_mbps: float = 0.0

@@ -86,7 +86,8 @@ class Node:
         self.clock = MonotonicClock(config.node.debug_clock_skew_s)
         self.rng = random.Random(self.peer_id)
         limits = Limits(max_frame_bytes=config.net.max_frame_bytes)
-        self.congestion = CongestionControl(config.net.tcp_congestion)  # BBR, where allowed
+        # BBR where allowed, else (by default) the node paces its uploads itself
+        self.congestion = CongestionControl(config.net.tcp_congestion, config.net.uplink_pacing)
         self.congestion.check()
         self.http = HttpTransport(limits, self.auth, self.congestion)
         # a keyed swarm's proofs are stamped with the time most members seal (a clock hours
@@ -344,6 +345,8 @@ class Node:
                 self._tasks = tg
                 self._heartbeats = tg.create_task(self.membership.run())
                 background = [self._heartbeats]
+                if self.congestion.pacer is not None:
+                    background.append(tg.create_task(self.congestion.pacer.run()))
                 await self._start_discovery()
                 joined = tg.create_task(self._join())
                 stopped = tg.create_task(self._stop.wait())

@@ -41,9 +41,22 @@ def format_status(st: dict[str, Any]) -> str:
         )
     tcp = st.get("tcp_congestion")
     if tcp and tcp["wanted"] and not tcp["active"]:
+        paced = tcp.get("pacing")
         lines.append(
-            f"  TCP congestion control {tcp['wanted']} not available ({tcp['why']}): on a thin "
-            f"uplink small messages may wait behind uploads (see the log for how to allow it)"
+            f"  TCP congestion control {tcp['wanted']} not available ({tcp['why']}): "
+            + (
+                "the node paces its uploads itself"
+                if paced
+                else "on a thin uplink small messages may wait behind uploads"
+            )
+            + " (see the log for how to allow it)"
+        )
+    pacing = (tcp or {}).get("pacing")
+    if pacing and pacing["pacing"]:
+        lines.append(
+            f"  uploads paced at {pacing['pace_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s (uplink "
+            f"measured {pacing['capacity_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s, queue "
+            f"{pacing['queueing_ms']:.0f} ms)"
         )
     relay = st.get("relay")
     if relay and relay.get("nodes"):

@@ -137,6 +137,7 @@ class NodeCollector(Collector):
         yield from _counter_families(st["counters"], head=st["stage"] == 0)
         yield from _peer_families(st)
         yield from _reachability_family(st)
+        yield from _pacing_families(st)
         if isinstance(st.get("swarm_time"), dict):
             yield from _swarm_time_families(st["swarm_time"])
         if st["stage"] == 0 and "tokens" in st:
@@ -321,6 +322,28 @@ def _swarm_time_families(swarm_time: dict[str, Any]) -> Iterator[Metric]:
         "murmur_proof_clock_corrections",
         "Times the proofs' clock offset changed by a second or more.",
         swarm_time["corrections"],
+    )
+
+
+def _pacing_families(st: dict[str, Any]) -> Iterator[Metric]:
+    """The node's own pacing of its uploads (``node.net.pacing``), where it paces."""
+    pacing = (st.get("tcp_congestion") or {}).get("pacing")
+    if not isinstance(pacing, dict):
+        return
+    yield GaugeMetricFamily(
+        "murmur_uplink_pace_bytes_per_second",
+        "The pace this node's uploads are held to (0: not paced now).",
+        value=pacing["pace_bytes_per_s"] or 0.0,
+    )
+    yield GaugeMetricFamily(
+        "murmur_uplink_capacity_bytes_per_second",
+        "The uplink's capacity as the node measured it while uploading (0: not measured).",
+        value=pacing["capacity_bytes_per_s"],
+    )
+    yield GaugeMetricFamily(
+        "murmur_uplink_queueing_seconds",
+        "The queueing delay the node's last upload met (least over its connections).",
+        value=pacing["queueing_ms"] / 1e3,
     )
 
 

@@ -81,6 +81,9 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_peers_known": ("gauge", {"stage"}),
     "murmur_reachability": ("gauge", {"state"}),
     "murmur_relays_used": ("gauge", set()),
+    "murmur_uplink_pace_bytes_per_second": ("gauge", set()),
+    "murmur_uplink_capacity_bytes_per_second": ("gauge", set()),
+    "murmur_uplink_queueing_seconds": ("gauge", set()),
     "murmur_relay_nodes": ("gauge", set()),
     "murmur_relay_capacity": ("gauge", set()),
     "murmur_relay_bytes": ("counter", {"direction"}),
@@ -159,6 +162,19 @@ def head_status(**changes: Any) -> dict[str, Any]:
         "act_min": -6.25,
         "grad_norm_preclip": 3.5,
         "reachability": {"state": "direct", "detail": "dialled back by 2 peer(s)"},
+        "tcp_congestion": {
+            "wanted": "bbr",
+            "active": False,
+            "why": "Operation not permitted",
+            "in_use": "cubic",
+            "pacing": {
+                "pacing": True,
+                "pace_bytes_per_s": 1.1e6,
+                "capacity_bytes_per_s": 1.25e6,
+                "queueing_ms": 27.5,
+                "sockets": 3,
+            },
+        },
         "relay": {
             "via": [],
             "served": {},
@@ -330,6 +346,9 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_reachability", state="relayed") == 0.0
     assert one("murmur_relays_used") == 0 and one("murmur_relay_nodes") == 2
     assert one("murmur_relay_capacity") == 8
+    assert one("murmur_uplink_pace_bytes_per_second") == 1.1e6
+    assert one("murmur_uplink_capacity_bytes_per_second") == 1.25e6
+    assert one("murmur_uplink_queueing_seconds") == 0.0275
     assert one("murmur_in_flight_window") == 7
     assert one("murmur_wire_link_bytes_per_second") == 18.4e6 / 8
     assert one("murmur_wire_codec_switches_total") == 3

@@ -38,7 +38,14 @@ def another_allowed() -> str:
 def test_what_a_listening_socket_accepts_inherits_its_congestion_control() -> None:
     name = another_allowed()
     cc = CongestionControl(name)
-    assert cc.check() and cc.status() == {"wanted": name, "active": True, "why": ""}
+    assert cc.check()
+    assert cc.status() == {
+        "wanted": name,
+        "active": True,
+        "why": "",
+        "in_use": name,
+        "pacing": None,
+    }
     listener = cc.listening_socket("127.0.0.1", 0)
     try:
         assert congestion_of(listener) == name

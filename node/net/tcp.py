@@ -16,8 +16,13 @@ control listed in ``net.ipv4.tcp_allowed_congestion_control``; where the kernel 
 or does not allow it, the system default stays, and the node says so once at start, with
 what to run. Other systems have no ``TCP_CONGESTION``: nothing is set, nothing is said.
 
-Owns: choosing the congestion control of a socket (``CongestionControl``). Does not own the
-sockets (``node.net.transport``, ``node.net.relay``, ``node.server``).
+Where the sockets do not get BBR (``net.uplink_pacing = "auto"``, the default), the node
+paces its uploads itself (``node.net.pacing``): ``CongestionControl`` hands every connection
+it makes or is given to an ``UplinkPacer``, whose task the daemon runs.
+
+Owns: choosing the congestion control of a socket, and whether uploads are paced
+(``CongestionControl``). Does not own the sockets (``node.net.transport``,
+``node.net.relay``, ``node.server``) or the pacing rule (``node.net.pacing``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import logging
 import socket
 from collections.abc import Callable
 from typing import Any
+
+from node.net.pacing import SocketLike, UplinkPacer
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +49,48 @@ def congestion_of(sock: socket.socket) -> str | None:
 
 
 class CongestionControl:
-    """The congestion control ``name`` for this node's sockets, where the system allows it.
+    """The congestion control ``name`` for this node's sockets, where the system allows it,
+    and the node's own pacing of its uploads where they do not get BBR.
 
     ``name`` empty: the system default, untouched. Otherwise ``check`` tries it once on a
     scratch socket: ``active`` tells whether every later socket gets it, ``why`` why not.
+    ``pacing``: ``auto`` (pace unless the sockets use BBR), ``on`` or ``off``; ``check``
+    makes ``pacer`` when pacing.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pacing: str = "off") -> None:
+        if pacing not in ("auto", "on", "off"):
+            raise ValueError(f"net.uplink_pacing must be auto, on or off, not {pacing!r}")
         self.name = name
+        self.pacing = pacing
         self.active = False
         self.why = "" if name else "net.tcp_congestion is empty: the system default"
+        self.in_use = ""
+        """The congestion control the node's sockets get (``check``; empty: unknown)."""
+        self.pacer: UplinkPacer | None = None
 
     def check(self) -> bool:
-        """Try ``name`` on a scratch socket; log once if it cannot be used. Returns
-        ``active``."""
+        """Try ``name`` on a scratch socket (log once if it cannot be used), and decide on
+        pacing. Returns ``active``."""
+        self._choose()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            self.apply(probe)
+            self.in_use = congestion_of(probe) or ""
+        if self.pacing == "on" or (self.pacing == "auto" and self.in_use != "bbr"):
+            self.pacer = UplinkPacer()
+            log.info(
+                "uploads are paced by the node (net.uplink_pacing=%s; the sockets use %s)",
+                self.pacing,
+                self.in_use or "the system's congestion control",
+            )
+        return self.active
+
+    def _choose(self) -> None:
         if not self.name:
-            return False
+            return
         if TCP_CONGESTION is None:
             self.why = "this system has no TCP_CONGESTION socket option"
-            return False
+            return
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.setsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, self.name.encode())
@@ -68,18 +98,22 @@ class CongestionControl:
                 self.why = f"{e.strerror or e}"
                 log.info(
                     "TCP congestion control %r is not available here (%s): this node's "
-                    "uploads use the system default, and on a thin uplink with a deep router "
-                    "queue its small messages wait behind them; to allow it: "
+                    "uploads use the system default%s; to allow it: "
                     "modprobe tcp_%s && sysctl -w net.ipv4.tcp_allowed_congestion_control="
                     '"$(sysctl -n net.ipv4.tcp_allowed_congestion_control) %s"',
                     self.name,
                     self.why,
+                    ", which the node paces itself"
+                    if self.pacing != "off"
+                    else (
+                        ", and on a thin uplink with a deep router queue its small messages "
+                        "wait behind them"
+                    ),
                     self.name,
                     self.name,
                 )
-                return False
+                return
         self.active = True
-        return True
 
     def apply(self, sock: socket.socket) -> None:
         """Set it on ``sock`` (a TCP socket, before it connects or listens) when active."""
@@ -90,16 +124,22 @@ class CongestionControl:
                 self.active, self.why = False, f"{e.strerror or e}"
                 log.warning("TCP congestion control %r refused: %s", self.name, self.why)
 
+    def govern(self, sock: SocketLike) -> None:
+        """Pace the connection ``sock`` when pacing (an accepted one too: ``node.server``)."""
+        if self.pacer is not None:
+            self.pacer.govern(sock)
+
     def socket_factory(self) -> Callable[[Any], socket.socket] | None:
-        """For ``aiohttp.TCPConnector(socket_factory=...)``: each client socket with it set
-        (None when inactive: aiohttp's own)."""
-        if not self.active:
+        """For ``aiohttp.TCPConnector(socket_factory=...)``: each client socket with it set,
+        and paced when pacing (None when neither: aiohttp's own)."""
+        if not self.active and self.pacer is None:
             return None
 
         def make(addr_info: Any) -> socket.socket:
             family, type_, proto, _, _ = addr_info
             sock = socket.socket(family=family, type=type_, proto=proto)
             self.apply(sock)
+            self.govern(sock)
             return sock
 
         return make
@@ -126,4 +166,10 @@ class CongestionControl:
         return sock
 
     def status(self) -> dict[str, Any]:
-        return {"wanted": self.name, "active": self.active, "why": "" if self.active else self.why}
+        return {
+            "wanted": self.name,
+            "active": self.active,
+            "why": "" if self.active else self.why,
+            "in_use": self.in_use,
+            "pacing": None if self.pacer is None else self.pacer.status(),
+        }
