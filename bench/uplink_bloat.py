@@ -1,19 +1,24 @@
-"""Small messages behind an upload on a thin uplink with a deep router queue: CUBIC against BBR.
+"""Small messages behind an upload on a thin uplink with a deep router queue: CUBIC, CUBIC
+paced by the node, and BBR.
 
 A volunteer behind a home router uploads its weights (a NoLoCo contribution, a state
 transfer) while it keeps sending small messages: answers to proposals, pings, acks. The
 router's uplink is the bottleneck, and its queue is deep. With a loss-based congestion
 control the upload fills that queue, and every small message waits behind it; with BBR the
-queue stays short (``node.net.tcp``, which the daemon uses for ``net.tcp_congestion``).
+queue stays short (``node.net.tcp``, which the daemon uses for ``net.tcp_congestion``), and
+so it does with CUBIC when the node paces its uploads itself (``node.net.pacing``, the
+daemon's ``net.uplink_pacing``, for where BBR is not allowed).
 
 The lab (``tests/netns.py``): host A behind its own router namespace, whose uplink is a
 kernel token bucket (``tc tbf``, ``--mbit`` Mbit/s, a queue of ``--queue-ms``), and a public
 host B. The tbf sits on the router, as a home router's queue does: on the sender's own
 interface TCP Small Queues would keep it short whatever the congestion control. On A, one
-process uploads ``--mb`` MB to B over HTTP while it times a small request to B every 100 ms
-on another connection, with its sockets set through ``node.net.tcp.CongestionControl`` to
-``cubic`` (Linux's default) or ``bbr``, alternating for ``--rounds`` rounds. Per run: the
-upload's time, and the small requests' round trip idle and during the upload. Writes
+process uploads ``--mb`` MB to B over HTTP (the daemon's body for a large frame) while it
+times a small request to B every 100 ms on another connection, with its sockets set through
+``node.net.tcp.CongestionControl`` to ``cubic`` (Linux's default), ``cubic`` with the
+daemon's ``UplinkPacer`` (``paced``) or ``bbr``, in turn for ``--rounds`` rounds. Per run:
+the upload's time, the small requests' round trip idle and during the upload, and the
+pacer's pace, measured capacity and queueing delay beside each small request. Writes
 ``bench/results/uplink_bloat.json`` and ``uplink_bloat.png``.
 
 Usage: ``python -m bench.uplink_bloat [--rounds 3] [--mb 16] [--mbit 10] [--queue-ms 1000]
@@ -33,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
-VARIANTS = ("cubic", "bbr")
+VARIANTS = ("cubic", "paced", "bbr")
+"""``paced``: CUBIC with the node's own pacing (``node.net.pacing``)."""
 PORT = 7070
 SMALL_EVERY_S = 0.1
 
@@ -69,10 +75,14 @@ async def upload(target: str, congestion: str, mb: float) -> dict[str, Any]:
     import aiohttp
 
     from node.net.tcp import CongestionControl, congestion_of
+    from node.net.transport import FramePayload
 
-    cc = CongestionControl(congestion)
+    paced = congestion == "paced"
+    cc = CongestionControl("cubic" if paced else congestion, pacing="on" if paced else "off")
     if not cc.check():
         raise SystemExit(f"congestion control {congestion!r} unavailable: {cc.why}")
+    pacing = asyncio.create_task(cc.pacer.run()) if cc.pacer is not None else None
+    paces: list[tuple[float, float | None, float]] = []
 
     def session() -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
@@ -94,12 +104,14 @@ async def upload(target: str, congestion: str, mb: float) -> dict[str, Any]:
             for proto, _ in conns
             if proto.transport is not None
         ]
-        assert pooled and set(pooled) == {congestion}, pooled
+        assert pooled and set(pooled) == {cc.name}, pooled
 
         async def send() -> float:
             t0 = time.perf_counter()
-            async with bulk.post(f"http://{target}/sink", data=bytes(int(mb * 2**20))) as r:
-                assert int(await r.text()) == int(mb * 2**20)
+            # the daemon's body for a large frame: written buffer by buffer
+            body = FramePayload([bytes(1 << 20)] * int(mb))
+            async with bulk.post(f"http://{target}/sink", data=body) as r:
+                assert int(await r.text()) == int(mb) << 20
             return time.perf_counter() - t0
 
         sending = asyncio.create_task(send())
@@ -107,9 +119,17 @@ async def upload(target: str, congestion: str, mb: float) -> dict[str, Any]:
         during: list[float] = []
         while not sending.done():
             during.append(await one())
+            if cc.pacer is not None:
+                st = cc.pacer.status()
+                paces.append(
+                    (st["pace_bytes_per_s"], st["capacity_bytes_per_s"], st["queueing_ms"])
+                )
             await asyncio.sleep(SMALL_EVERY_S)
         upload_s = await sending
+    if pacing is not None:
+        pacing.cancel()
     return {
+        "paces": paces,
         "congestion": congestion,
         "upload_s": upload_s,
         "idle_ms": 1e3 * statistics.median(idle),
@@ -173,8 +193,16 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "during_ms_max": during[-1],
             "small_requests": len(during),
         }
-    out["cubic_over_bbr_p50"] = out["cubic"]["during_ms_p50"] / out["bbr"]["during_ms_p50"]
-    out["upload_s_bbr_over_cubic"] = out["bbr"]["upload_s_median"] / out["cubic"]["upload_s_median"]
+    for other in ("paced", "bbr"):
+        out[f"cubic_over_{other}_p50"] = out["cubic"]["during_ms_p50"] / out[other]["during_ms_p50"]
+        out[f"upload_s_{other}_over_cubic"] = (
+            out[other]["upload_s_median"] / out["cubic"]["upload_s_median"]
+        )
+    capacities = [c for r in runs if r["congestion"] == "paced" for _, c, _ in r["paces"]]
+    out["paced"]["capacity_bytes_per_s_median"] = statistics.median(capacities)
+    out["paced"]["paced_share"] = sum(
+        1 for r in runs if r["congestion"] == "paced" for p, _, _ in r["paces"] if p
+    ) / max(1, len(capacities))
     return out
 
 
@@ -183,12 +211,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for cc, colour in zip(VARIANTS, ("tab:red", "tab:blue"), strict=True):
+    every = [d for r in result["runs"] for d in r["during_ms"]]
+    bins = list(np.geomspace(max(0.1, min(every)), max(every) * 1.01, 60))
+    for cc, colour in zip(VARIANTS, ("tab:red", "tab:green", "tab:blue"), strict=True):
         during = [d for r in result["runs"] if r["congestion"] == cc for d in r["during_ms"]]
-        ax.hist(during, bins=40, alpha=0.6, color=colour, label=f"{cc}")
-    ax.set_xlabel("small request round trip during the upload (ms)")
+        label = "cubic, paced by the node" if cc == "paced" else cc
+        ax.hist(during, bins=bins, alpha=0.6, color=colour, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("small request round trip during the upload (ms, log scale)")
     ax.set_ylabel("requests")
     ax.set_title(
         f"{result['mb']} MB upload on {result['mbit']} Mbit/s, router queue {result['queue_ms']} ms"
@@ -241,8 +274,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     s = result["summary"]
     say(
         f"small request during the upload, p50: cubic {s['cubic']['during_ms_p50']:.0f} ms, "
-        f"bbr {s['bbr']['during_ms_p50']:.0f} ms (x{s['cubic_over_bbr_p50']:.1f}); upload "
-        f"time bbr/cubic {s['upload_s_bbr_over_cubic']:.2f}"
+        f"paced {s['paced']['during_ms_p50']:.0f} ms, bbr {s['bbr']['during_ms_p50']:.0f} ms; "
+        f"upload time over cubic's: paced {s['upload_s_paced_over_cubic']:.2f}, bbr "
+        f"{s['upload_s_bbr_over_cubic']:.2f}; the pacer measured "
+        f"{s['paced']['capacity_bytes_per_s_median'] * 8 / 1e6:.1f} Mbit/s"
     )
     return result
 
