@@ -264,6 +264,23 @@ class Lab:
             subprocess.run([*inside, *cmd], check=True, capture_output=True, timeout=_CMD_TIMEOUT_S)
         return host
 
+    def cap_router_uplink(
+        self, router: str, rate_mbit: float, queue_ms: int, burst: str = "10kb"
+    ) -> None:
+        """Cap what ``router`` (``add_natted``'s) sends out on its WAN side at ``rate_mbit``,
+        with a queue of ``queue_ms``: a home router's thin uplink and deep queue. The queue
+        is the router's, as at home (on the sender's own interface TCP Small Queues would
+        keep it short). ``burst`` is the bucket's size, which also bounds the packets it
+        splits: larger, the sender's 64 kB offload packets would pass whole, 52 ms each at
+        10 Mbit/s, as no real uplink sends them."""
+        subprocess.run(
+            ["ip", "netns", "exec", router, "tc", "qdisc", "replace", "dev", "wan", "root"]
+            + ["tbf", "rate", f"{rate_mbit}mbit", "burst", burst, "latency", f"{queue_ms}ms"],
+            check=True,
+            capture_output=True,
+            timeout=_CMD_TIMEOUT_S,
+        )
+
     def reach_from_root(self) -> None:
         """Give the root namespace an address on the bridge (``10.A.B.254``), so that this
         process reaches the hosts directly (polling their ``/status``, say)."""

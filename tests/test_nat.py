@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +44,16 @@ def status_of(host: Host) -> dict[str, Any]:
     )
     st: dict[str, Any] = json.loads(out)
     return st
+
+
+def ready_status(host: Host) -> dict[str, Any] | None:
+    """The host's node status once it serves, else None."""
+    st = status_of(host)
+    return st if st["ready"] else None
+
+
+def relaying_for(host: Host, capacity: int) -> bool:
+    return bool(status_of(host)["relay"]["capacity"] == capacity)
 
 
 def join(
@@ -161,7 +172,7 @@ def test_two_natted_replicas_behind_two_routers_train_and_pair_through_a_relay(
     try:
         relay = f"{public_relay.address}:{PORT}"
         for host in natted:
-            st = wait_for(lambda h=host: (s := status_of(h))["ready"] and s, 120, "NATed replica")
+            st = wait_for(partial(ready_status, host), 120, "NATed replica")
             assert st["reachability"]["state"] == "relayed"
             assert [v["address"] for v in st["relay"]["via"]] == [relay]
 
@@ -204,7 +215,7 @@ def test_when_the_relay_in_use_dies_the_natted_node_moves_and_training_goes_on(
         procs.append(lab.procs[-1])  # the relay-only node's process, to kill
     try:
         for host in public_relays:  # both relay-only nodes up before the NATed node looks
-            wait_for(lambda h=host: status_of(h)["relay"]["capacity"] == 8, 60, "a relay")
+            wait_for(partial(relaying_for, host, 8), 60, "a relay")
         logs.append(join(behind_nat, "1", head, tmp_path / "natted.log", swarm, ("net.relays=1",)))
         st = wait_for(lambda: (s := status_of(behind_nat))["ready"] and s, 120, "NATed node")
         (used,) = (v["address"] for v in st["relay"]["via"])
@@ -303,10 +314,7 @@ def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
             join(host, "auto", head, tmp_path / f"natted{k}.log", swarm, two)
             for k, host in enumerate(natted)
         ]
-        sts = [
-            wait_for(lambda h=host: (s := status_of(h))["ready"] and s, 180, "a NATed joiner")
-            for host in natted
-        ]
+        sts = [wait_for(partial(ready_status, host), 180, "a NATed joiner") for host in natted]
         assert all(s["reachability"]["state"] == "relayed" for s in sts)
         stages = sorted(s["stage"] for s in sts)
         print("stages taken:", stages)
