@@ -166,6 +166,20 @@ def test_auto_paces_where_the_sockets_do_not_get_bbr() -> None:
         CongestionControl("bbr", "sometimes")
 
 
+def test_auto_does_not_pace_where_the_system_cannot_name_the_congestion_control(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Other systems than Linux have neither ``TCP_CONGESTION`` nor ``TCP_INFO``: ``auto``
+    leaves their sockets alone, ``on`` is taken at its word."""
+    monkeypatch.setattr("node.net.tcp.congestion_of", lambda sock: None)
+    unknown = CongestionControl("", "auto")
+    unknown.check()
+    assert unknown.in_use == "" and unknown.pacer is None
+    forced = CongestionControl("", "on")
+    forced.check()
+    assert forced.pacer is not None
+
+
 async def test_a_pacing_node_governs_its_own_connections_and_those_peers_open_to_it() -> None:
     from node.display import format_status
 

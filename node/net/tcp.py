@@ -54,8 +54,9 @@ class CongestionControl:
 
     ``name`` empty: the system default, untouched. Otherwise ``check`` tries it once on a
     scratch socket: ``active`` tells whether every later socket gets it, ``why`` why not.
-    ``pacing``: ``auto`` (pace unless the sockets use BBR), ``on`` or ``off``; ``check``
-    makes ``pacer`` when pacing.
+    ``pacing``: ``auto`` (pace where the sockets use a congestion control other than BBR;
+    not where the system cannot say, as on other systems than Linux), ``on`` or ``off``;
+    ``check`` makes ``pacer`` when pacing.
     """
 
     def __init__(self, name: str, pacing: str = "off") -> None:
@@ -76,7 +77,9 @@ class CongestionControl:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             self.apply(probe)
             self.in_use = congestion_of(probe) or ""
-        if self.pacing == "on" or (self.pacing == "auto" and self.in_use != "bbr"):
+        # auto: where the kernel names a congestion control and it is not BBR (a system that
+        # cannot say has no TCP_INFO either, which the pacer reads)
+        if self.pacing == "on" or (self.pacing == "auto" and self.in_use not in ("", "bbr")):
             self.pacer = UplinkPacer()
             log.info(
                 "uploads are paced by the node (net.uplink_pacing=%s; the sockets use %s)",
