@@ -142,8 +142,9 @@ class NodeServer:
         self.status = status
         self.congestion = congestion
         self.app = web.Application(client_max_size=ctx.config.net.max_frame_bytes)
-        # the connections peers open to this node carry its answers: paced as its own are
-        self.app.on_response_prepare.append(self._govern)
+        if congestion.pacer is not None:  # not a call per response where nothing is paced
+            # the connections peers open to this node carry its answers: paced as its own are
+            self.app.on_response_prepare.append(self._govern)
         self.app.router.add_post(RPC_PATH, self._handle_rpc)
         self.app.router.add_get(RELAY_PATH, relay_hub.handle_attach)
         self.app.router.add_post(RELAY_PATH + "/{peer}", relay_hub.handle_forward)
@@ -170,9 +171,8 @@ class NodeServer:
         return bound
 
     async def _govern(self, request: web.Request, _: web.StreamResponse) -> None:
-        transport = request.transport
-        if self.congestion.pacer is not None and transport is not None:
-            self.congestion.govern(transport.get_extra_info("socket"))
+        if request.transport is not None:
+            self.congestion.govern(request.transport.get_extra_info("socket"))
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -22,16 +22,18 @@ ideas:
   al., ACM Queue 14(5), 2016): the largest goodput (bytes acknowledged over ``GOODPUT_S``,
   summed over the node's connections) of the last ``WINDOW_S`` seconds is the uplink's
   capacity ``C``. (The kernel's own ``delivery_rate`` read 20 times the bottleneck behind a
-  token bucket, acknowledgements arriving in bursts; goodput over half a second does not.) The node paces at ``C * gain``, with ``gain = 1 + (TARGET_S - delay) / DRAIN_S``
-  held within [``MIN_GAIN``, ``MAX_GAIN``]: above ``C`` while the queue is shorter than
+  token bucket, acknowledgements arriving in bursts; goodput over half a second does not.)
+  The node paces at ``C * gain``, with ``gain = 1 + (TARGET_S - delay) / DRAIN_S`` held
+  within [``MIN_GAIN``, ``MAX_GAIN``]: above ``C`` while the queue is shorter than
   ``TARGET_S`` (probing for more), below it while the queue is longer (draining it within
   about ``DRAIN_S``). So the queue settles near ``TARGET_S`` and the upload runs at the
   capacity. The pace is split evenly between the connections that are uploading.
 
 Pacing starts only once an upload has pushed the delay past ``TARGET_S``: a node without a
-deep queue on its path is never paced. It stops when nothing is uploading, and the
-capacity is forgotten ``FORGET_S`` later. A connection's cap is lifted once it has nothing
-left to send, so a small message on a pooled connection is not held back.
+deep queue on its path is never paced. While nothing uploads, every connection stays capped
+at ``C`` (pacing spaces packets, it does not hold back a small message's first one), so an
+upload starting between two readings cannot burst into the queue; ``FORGET_S`` after the
+last upload the capacity is forgotten and every cap lifted.
 
 Owns: the pacing rule (``PaceRule``, pure, explicit ``now``), reading ``TCP_INFO``
 (``tcp_info``), and the sockets it paces (``UplinkPacer``). Does not own the sockets
@@ -108,8 +110,8 @@ class SocketLike(Protocol):
 
 
 def tcp_info(sock: SocketLike) -> TcpInfo | None:
-    """The connection's round trips, bytes in flight and delivery rate; None where the
-    system has no ``TCP_INFO`` or too old a one, or the socket is closed."""
+    """The connection's round trips, bytes in flight, unsent and acknowledged; None where
+    the system has no ``TCP_INFO`` or too old a one, or the socket is closed."""
     if TCP_INFO is None or not _open(sock):
         return None
     try:
