@@ -50,6 +50,7 @@ COMMON = {
     "membership.ttl_s": "4",
     "train.eval_interval_s": "0",
     "train.max_in_flight": "12",
+    "train.window": "fixed",  # a steady load on the stages, as in its recorded runs
     "data.batch_size": "8",
     "data.seq_len": "64",
     "sync.method": "none",

@@ -196,6 +196,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     settings = {**study_settings(args, method), "swarm.seed": str(args.seeds[0])}
     settings["sync.outer_steps"] = str(args.check_outer_steps)
     settings["train.max_in_flight"] = str(args.check_in_flight)
+    settings["train.window"] = "fixed"  # the simulation keeps exactly that many in flight
     config = resolve_config(overrides=settings)
     num_evals = 10
     milestones = [0, *(args.check_tokens * (i + 1) // num_evals for i in range(num_evals))]

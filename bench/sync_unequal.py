@@ -119,6 +119,7 @@ def settings(args: argparse.Namespace, variant: str) -> dict[str, str]:
         "sync.outer_steps": str(args.outer_steps),
         "train.step_samples": str(args.step_samples),
         "train.max_in_flight": str(args.max_in_flight),
+        "train.window": "fixed",  # as many in flight as its simulation keeps
     }
     if args.round_s:
         out["sync.round_s"] = str(args.round_s)

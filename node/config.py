@@ -192,12 +192,14 @@ class TrainConfig:
     ``auto``: bf16 while this node's link keeps up with its compute, int8 when it does not
     (``swarm.wirecodec``)."""
     max_in_flight: int = 6
-    """Microbatches a head node keeps in the pipeline at once (with ``window = adaptive``:
-    the most it may keep, its memory bound)."""
-    window: InFlightPolicy = "fixed"
-    """``fixed``: ``max_in_flight`` always; ``adaptive``: grown while the pipe has room and
-    shrunk when microbatches queue, by the TCP Vegas rule (``swarm.window``), for links
-    whose round trip is not known in advance (a WAN)."""
+    """The most microbatches a head node keeps in the pipeline at once, its memory bound
+    (with ``window = fixed``: always this many)."""
+    window: InFlightPolicy = "adaptive"
+    """``adaptive``: grown while the pipe has room and shrunk when microbatches queue, by the
+    TCP Vegas rule (``swarm.window``), between 2 and ``max_in_flight``: a LAN keeps about as
+    many in flight as ``fixed``, a very thin uplink only as many as it can carry in time
+    (``bench/thin_uplink.py``: at 2 Mbit/s six in flight time out and the swarm stops
+    training). ``fixed``: ``max_in_flight`` always."""
     staleness: Staleness = "stash"
     """How old a gradient may be when it is applied, with microbatches in flight. ``stash``:
     an inner step every ``step_samples`` samples, each backward with its own forward's

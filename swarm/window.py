@@ -19,6 +19,10 @@ internet", IEEE JSAC 1995; ``docs/algorithms.md`` section 10):
 - it stays within ``[min_size, max_size]``; ``max_size`` is the memory bound
   (``train.max_in_flight``: each microbatch in flight holds its activations on every stage).
 
+It is the default (``train.window = adaptive``), bounded by ``train.max_in_flight``: a fixed
+six in flight queue tens of seconds of uploads behind a 2 Mbit/s uplink, and every hop and
+microbatch misses its deadline (``bench/thin_uplink.py``).
+
 Departure from Vegas: its base round trip is the minimum over the connection's life, which
 goes stale when the path changes (here: a slower replica joins, a stage moves). As BBR does
 (Cardwell et al., ACM Queue 2016), the window drops to ``min_size`` every ``probe_every_s``

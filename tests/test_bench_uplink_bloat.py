@@ -51,8 +51,9 @@ def test_the_daemon_behind_a_thin_uplink_paces_its_uploads(tmp_path: Path) -> No
     node's sockets on CUBIC. Its outputs and gradients (a megabyte each) fill the router's
     queue; it notices the queueing delay, paces its uploads and says so; its status and
     metrics show the uplink it measured, and the swarm trains on while small requests
-    cross the uplink. (At 2 Mbit/s six microbatches in flight queue 50 s of uploads, paced
-    or not, and hops time out: the pipeline's window, not the pacer, must fit such a link.)"""
+    cross the uplink. (At 2 Mbit/s six microbatches always in flight queue 25 s of uploads,
+    paced or not, and hops time out: the pipeline's window, not the pacer, fits such a link,
+    ``tests/test_bench_thin_uplink.py``.)"""
     ok, why = netns_available()
     if not ok:
         pytest.skip(why)

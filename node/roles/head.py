@@ -3,10 +3,10 @@
 A head-stage node is where every microbatch starts and ends (SWARM's "trainer", arXiv
 2301.11913, section 3). This module owns:
 
-- keeping training microbatches in the pipeline, ``max_in_flight`` of them or, with
-  ``train.window = adaptive``, as many as the in-flight window allows (``swarm.window``: it
-  learns from each microbatch's round trip), pausing while some block stage has no ready
-  replica;
+- keeping training microbatches in the pipeline, as many as the in-flight window allows
+  (``train.window = adaptive``, the default; ``swarm.window``: it learns from each
+  microbatch's round trip, up to ``max_in_flight``) or, with ``train.window = fixed``,
+  ``max_in_flight`` of them, pausing while some block stage has no ready replica;
 - the deadline of each microbatch: one not completed in time is re-issued on a fresh route
   (``retried``) up to ``max_attempts`` issues, then ``dropped``; every issued microbatch ends
   as exactly one of completed, retried or dropped, evaluation ones included, so at any

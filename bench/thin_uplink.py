@@ -1,0 +1,224 @@
+"""A volunteer on a very thin uplink: the pipeline's in-flight window, fixed against adaptive.
+
+A public head and a NATed block node (``node join``, real processes; the block node behind a
+router namespace whose uplink is a token bucket of ``--mbit`` Mbit/s with a 1 s queue,
+``tests.netns.Lab.cap_router_uplink``, its sockets on CUBIC with the node's own pacing, as on
+a distribution that does not allow BBR). A microbatch's activations are 16 x 128 x 128
+values, 512 kB in bf16, and the block node uploads one output and one gradient per
+microbatch: at 2 Mbit/s that is about 4 s of uplink per microbatch. Six in flight
+(``train.window = fixed``) queue about 25 s of uploads: a hop waits past its 10 s deadline and
+a microbatch past its 30 s one, the head re-issues what is already queued, and the swarm
+stops training. The adaptive window (``swarm.window``, capped at ``train.max_in_flight``)
+sees the round trip grow, keeps fewer in flight and trains at the link's pace.
+
+What the adaptive default costs where links are not thin: the head and 3 block stages of
+``bench/wan.py`` (100 Mbit/s token buckets, 0 and 50 ms one-way), each policy bounded by
+the default ``train.max_in_flight`` (6), ``--fat-seeds`` seeds, tokens/s after a warm-up and
+the eval loss once ``--tokens`` are spent (``bench.wan.run``).
+
+On the thin uplink, for each policy in turn, ``--rounds`` rounds: from the moment the block
+node serves, the head's counters for ``--measure-s`` seconds (microbatches completed, re-issued, dropped), its
+window (sampled every 5 s) and the codec the block node ended with. Writes
+``bench/results/thin_uplink.json`` and ``thin_uplink.png`` (microbatches completed over
+time); ``--rounds 0`` or ``--fat-seeds 0`` keeps that part's recorded runs.
+
+Usage: ``python -m bench.thin_uplink [--rounds 2] [--mbit 2] [--measure-s 120]`` (as root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+POLICIES = ("fixed", "adaptive")
+
+
+def say(text: str) -> None:
+    print(f"[thin_uplink {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[str, Any]:
+    """One swarm with ``train.window = window`` on the head (None: the default), the block
+    node behind an ``mbit`` uplink; the nodes' logs in ``logs`` (``head.log``,
+    ``natted.log``)."""
+    from tests.helpers import wait_for
+    from tests.netns import Lab
+    from tests.test_nat import PORT, join, status_of
+
+    logs.mkdir(parents=True, exist_ok=True)
+    with Lab.create(1) as lab:
+        (public,) = lab.hosts
+        natted = lab.add_natted()
+        lab.cap_router_uplink(lab.routers[-1], mbit, 1000)
+        swarm = f"thin-{secrets.token_hex(3)}"
+        window_setting = () if window is None else (f"train.window={window}",)
+        head = f"{public.address}:{PORT}"
+        outs = [
+            join(public, "0", None, logs / "head.log", swarm, window_setting),
+            join(natted, "1", head, logs / "natted.log", swarm, ("net.tcp_congestion=cubic",)),
+        ]
+        try:
+            wait_for(lambda: status_of(natted)["ready"], 120, "the NATed node to serve")
+            t0 = time.monotonic()
+            sizes: list[int] = []
+            timeline: list[tuple[float, int]] = []
+            while (elapsed := time.monotonic() - t0) < measure_s:
+                time.sleep(min(5.0, measure_s - elapsed))
+                st = status_of(public)
+                sizes.append(int(st["window"]["size"]))
+                done = int(st["counters"].get("microbatches_completed", 0))
+                timeline.append((round(time.monotonic() - t0, 1), done))
+            elapsed = time.monotonic() - t0
+            final = status_of(public)
+            counters = final["counters"]
+            wire = status_of(natted)["wire"]
+        finally:
+            lab.close()
+            for out in outs:
+                out.close()
+    return {
+        "window": final["window"]["policy"],
+        "mbit": mbit,
+        "measure_s": round(elapsed, 1),
+        "completed": int(counters.get("microbatches_completed", 0)),
+        "microbatches_per_s": int(counters.get("microbatches_completed", 0)) / elapsed,
+        "retried": int(counters.get("microbatches_retried", 0)),
+        "dropped": int(counters.get("microbatches_dropped", 0)),
+        "window_mean": statistics.fmean(sizes),
+        "codec": wire["codec"],
+        "timeline": timeline,
+    }
+
+
+def fat_links(seeds: int, tokens: int, logs: Path) -> list[dict[str, Any]]:
+    """``bench.wan``'s swarm at 0 and 50 ms, fixed against adaptive, both bounded by the
+    default ``train.max_in_flight``."""
+    from bench.wan import Variant
+    from bench.wan import run as wan_run
+
+    rows = []
+    for seed in range(seeds):
+        (logs / f"seed{seed}").mkdir(parents=True, exist_ok=True)
+        for latency in (0, 50):
+            for window in POLICIES:
+                v = Variant(f"{latency}ms", latency, 100, window=window, seed=seed)
+                r = wan_run(v, tokens, 10.0, logs / f"seed{seed}")
+                rows.append({k: r[k] for k in FAT_FIELDS})
+                say(
+                    f"fat links, seed {seed}, {latency} ms, window {window}: "
+                    f"{r['tokens_per_s']:,.0f} tokens/s, eval {r['eval_loss']:.3f}, "
+                    f"window {r['window_mean']:.1f} on average"
+                )
+    return rows
+
+
+FAT_FIELDS = (
+    "latency_ms",
+    "window",
+    "seed",
+    "max_in_flight",
+    "tokens_per_s",
+    "eval_loss",
+    "window_mean",
+    "tokens_at_eval",
+)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Microbatches completed over time on the thin uplink, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {"fixed": "tab:red", "adaptive": "tab:green"}
+    for r in result["runs"]:
+        xs = [0.0] + [t for t, _ in r["timeline"]]
+        ys = [0] + [done for _, done in r["timeline"]]
+        label = f"{r['window']} window, round {r['round'] + 1}"
+        ax.plot(xs, ys, color=colours.get(r["window"], "grey"), label=label)
+    ax.set_xlabel("seconds since the NATed block node began to serve")
+    ax.set_ylabel("microbatches completed at the head")
+    ax.set_title(f"A block node behind a {result['mbit']:g} Mbit/s uplink (1 s queue)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mbit", type=float, default=2.0)
+    p.add_argument("--measure-s", type=float, default=120.0)
+    p.add_argument("--fat-seeds", type=int, default=2, help="0: skip the fat-link runs")
+    p.add_argument("--tokens", type=int, default=300_000, help="token budget of a fat-link run")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="thin_uplink-"))
+    say(f"the nodes' logs: {logs}")
+    path = args.out / "thin_uplink.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    # a part not run this time (--rounds 0 or --fat-seeds 0) keeps its recorded runs
+    fat = fat_links(args.fat_seeds, args.tokens, logs / "fat") if args.fat_seeds else []
+    fat = fat or previous.get("fat_links", [])
+    runs = [] if args.rounds else previous.get("runs", [])
+    for rnd in range(args.rounds):
+        for window in POLICIES:
+            run = live(window, args.mbit, args.measure_s, logs / f"{rnd}-{window}")
+            run["round"] = rnd
+            runs.append(run)
+            say(
+                f"round {rnd + 1}/{args.rounds} window {window}: {run['completed']} microbatches "
+                f"in {run['measure_s']:.0f} s ({run['microbatches_per_s']:.2f}/s), "
+                f"{run['retried']} re-issued, {run['dropped']} dropped, window "
+                f"{run['window_mean']:.1f} on average, codec {run['codec']}"
+            )
+    summary: dict[str, Any] = {
+        w: {
+            "microbatches_per_s_median": statistics.median(
+                r["microbatches_per_s"] for r in runs if r["window"] == w
+            ),
+            "dropped_total": sum(r["dropped"] for r in runs if r["window"] == w),
+        }
+        for w in POLICIES
+        if any(r["window"] == w for r in runs)
+    }
+    for latency in (0, 50):
+        by = {
+            w: [r for r in fat if r["latency_ms"] == latency and r["window"] == w] for w in POLICIES
+        }
+        if all(by.values()):
+            summary[f"fat_{latency}ms"] = {
+                "tokens_per_s_adaptive_over_fixed": statistics.median(
+                    a["tokens_per_s"] / f["tokens_per_s"]
+                    for a, f in zip(by["adaptive"], by["fixed"], strict=True)
+                ),
+                "eval_loss_fixed": [r["eval_loss"] for r in by["fixed"]],
+                "eval_loss_adaptive": [r["eval_loss"] for r in by["adaptive"]],
+                "window_mean_adaptive": [r["window_mean"] for r in by["adaptive"]],
+            }
+    result = {
+        "mbit": args.mbit,
+        "measure_s": args.measure_s,
+        "summary": summary,
+        "runs": runs,
+        "fat_links": fat,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    if runs:
+        plot(result, args.out / "thin_uplink.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()
