@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import statistics
 import sys
 import tempfile
@@ -49,41 +48,24 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
     """One swarm with ``train.window = window`` on the head (None: the default), the block
     node behind an ``mbit`` uplink; the nodes' logs in ``logs`` (``head.log``,
     ``natted.log``)."""
-    from tests.helpers import wait_for
-    from tests.netns import Lab
-    from tests.test_nat import PORT, join, status_of
+    from bench.uplink_live import natted_swarm
+    from tests.test_nat import status_of
 
-    logs.mkdir(parents=True, exist_ok=True)
-    with Lab.create(1) as lab:
-        (public,) = lab.hosts
-        natted = lab.add_natted()
-        lab.cap_router_uplink(lab.routers[-1], mbit, 1000)
-        swarm = f"thin-{secrets.token_hex(3)}"
-        window_setting = () if window is None else (f"train.window={window}",)
-        head = f"{public.address}:{PORT}"
-        outs = [
-            join(public, "0", None, logs / "head.log", swarm, window_setting),
-            join(natted, "1", head, logs / "natted.log", swarm, ("net.tcp_congestion=cubic",)),
-        ]
-        try:
-            wait_for(lambda: status_of(natted)["ready"], 120, "the NATed node to serve")
-            t0 = time.monotonic()
-            sizes: list[int] = []
-            timeline: list[tuple[float, int]] = []
-            while (elapsed := time.monotonic() - t0) < measure_s:
-                time.sleep(min(5.0, measure_s - elapsed))
-                st = status_of(public)
-                sizes.append(int(st["window"]["size"]))
-                done = int(st["counters"].get("microbatches_completed", 0))
-                timeline.append((round(time.monotonic() - t0, 1), done))
-            elapsed = time.monotonic() - t0
-            final = status_of(public)
-            counters = final["counters"]
-            wire = status_of(natted)["wire"]
-        finally:
-            lab.close()
-            for out in outs:
-                out.close()
+    window_setting = () if window is None else (f"train.window={window}",)
+    with natted_swarm(mbit, logs, head_settings=window_setting) as (public, natted):
+        t0 = time.monotonic()
+        sizes: list[int] = []
+        timeline: list[tuple[float, int]] = []
+        while (elapsed := time.monotonic() - t0) < measure_s:
+            time.sleep(min(5.0, measure_s - elapsed))
+            st = status_of(public)
+            sizes.append(int(st["window"]["size"]))
+            done = int(st["counters"].get("microbatches_completed", 0))
+            timeline.append((round(time.monotonic() - t0, 1), done))
+        elapsed = time.monotonic() - t0
+        final = status_of(public)
+        counters = final["counters"]
+        wire = status_of(natted)["wire"]
     return {
         "window": final["window"]["policy"],
         "mbit": mbit,

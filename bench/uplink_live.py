@@ -22,8 +22,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.netns import Host
 
 RESULTS = Path(__file__).parent / "results"
 METRICS_PORT = 9100
@@ -47,12 +52,20 @@ def say(text: str) -> None:
     print(f"[uplink_live {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def live(pacing: str, mbit: float, probe_s: float, logs: Path) -> dict[str, Any]:
-    """One swarm with ``net.uplink_pacing = pacing`` on the NATed node; its logs in
-    ``logs`` (``head.log``, ``natted.log``)."""
+@contextmanager
+def natted_swarm(
+    mbit: float,
+    logs: Path,
+    head_settings: tuple[str, ...] = (),
+    node_settings: tuple[str, ...] = (),
+) -> Iterator[tuple[Host, Host]]:
+    """A public head and a NATed block node (``node join``), the block node behind a router
+    whose uplink is ``mbit`` Mbit/s with a 1 s queue and its sockets on CUBIC; yields
+    (public, natted) once the block node serves, their logs in ``logs`` (``head.log``,
+    ``natted.log``). Torn down on exit."""
     from tests.helpers import wait_for
     from tests.netns import Lab
-    from tests.test_nat import PORT, completed, join, status_of
+    from tests.test_nat import PORT, join, status_of
 
     logs.mkdir(parents=True, exist_ok=True)
     with Lab.create(1) as lab:
@@ -61,33 +74,41 @@ def live(pacing: str, mbit: float, probe_s: float, logs: Path) -> dict[str, Any]
         lab.cap_router_uplink(lab.routers[-1], mbit, 1000)
         swarm = f"uplink-{secrets.token_hex(3)}"
         head = f"{public.address}:{PORT}"
-        settings = (
-            "net.tcp_congestion=cubic",
-            f"net.uplink_pacing={pacing}",
-            f"net.metrics_port={METRICS_PORT}",
-        )
+        node_settings = ("net.tcp_congestion=cubic", *node_settings)
         outs = [
-            join(public, "0", None, logs / "head.log", swarm),
-            join(natted, "1", head, logs / "natted.log", swarm, settings),
+            join(public, "0", None, logs / "head.log", swarm, head_settings),
+            join(natted, "1", head, logs / "natted.log", swarm, node_settings),
         ]
         try:
             wait_for(lambda: status_of(natted)["ready"], 120, "the NATed node to serve")
-            wait_for(lambda: completed(public) >= 5, 120, "five microbatches")
-            time.sleep(5)  # the pipeline's window open
-            first, t0 = completed(public), time.monotonic()
-            cmd = [sys.executable, "-c", PROBE, f"http://{head}/status", str(probe_s)]
-            probes = json.loads(natted.run(cmd, timeout=probe_s + 60).strip().splitlines()[-1])
-            done, elapsed = completed(public) - first, time.monotonic() - t0
-            st = status_of(natted)
-            scrape = (
-                "import urllib.request as u; "
-                f"print(u.urlopen('http://127.0.0.1:{METRICS_PORT}').read().decode())"
-            )
-            metrics = natted.run([sys.executable, "-c", scrape], timeout=30)
+            yield public, natted
         finally:
             lab.close()
             for out in outs:
                 out.close()
+
+
+def live(pacing: str, mbit: float, probe_s: float, logs: Path) -> dict[str, Any]:
+    """One swarm with ``net.uplink_pacing = pacing`` on the NATed node; its logs in
+    ``logs`` (``head.log``, ``natted.log``)."""
+    from tests.helpers import wait_for
+    from tests.test_nat import PORT, completed, status_of
+
+    settings = (f"net.uplink_pacing={pacing}", f"net.metrics_port={METRICS_PORT}")
+    with natted_swarm(mbit, logs, node_settings=settings) as (public, natted):
+        wait_for(lambda: completed(public) >= 5, 120, "five microbatches")
+        time.sleep(5)  # the pipeline's window open
+        first, t0 = completed(public), time.monotonic()
+        head = f"{public.address}:{PORT}"
+        cmd = [sys.executable, "-c", PROBE, f"http://{head}/status", str(probe_s)]
+        probes = json.loads(natted.run(cmd, timeout=probe_s + 60).strip().splitlines()[-1])
+        done, elapsed = completed(public) - first, time.monotonic() - t0
+        st = status_of(natted)
+        scrape = (
+            "import urllib.request as u; "
+            f"print(u.urlopen('http://127.0.0.1:{METRICS_PORT}').read().decode())"
+        )
+        metrics = natted.run([sys.executable, "-c", scrape], timeout=30)
     answered = sorted(p for p in probes if p >= 0)
     return {
         "pacing": pacing,
