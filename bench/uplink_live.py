@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +66,7 @@ def natted_swarm(
     ``natted.log``). Torn down on exit."""
     from tests.helpers import wait_for
     from tests.netns import Lab
-    from tests.test_nat import PORT, join, status_of
+    from tests.test_nat import PORT, join, ready_status
 
     logs.mkdir(parents=True, exist_ok=True)
     with Lab.create(1) as lab:
@@ -80,7 +81,7 @@ def natted_swarm(
             join(natted, "1", head, logs / "natted.log", swarm, node_settings),
         ]
         try:
-            wait_for(lambda: status_of(natted)["ready"], 120, "the NATed node to serve")
+            wait_for(partial(ready_status, natted), 120, "the NATed node to serve")
             yield public, natted
         finally:
             lab.close()

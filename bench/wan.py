@@ -12,8 +12,7 @@ same window policy in the same invocation: the machine is noisy):
 
 - one-way latency 0, 25, 50, 100 ms at 100 Mbit/s, and 50 ms at 20 Mbit/s, one replica per
   stage, with ``train.window`` fixed (6 in flight, the default until the thin-uplink runs of
-  ``bench/thin_uplink.py``) and adaptive (at most
-  ``ADAPTIVE_MAX``);
+  ``bench/thin_uplink.py``) and adaptive (at most ``ADAPTIVE_MAX``);
 - two replicas per stage at 0 and 50 ms;
 - a mixed swarm at 50 ms: two replicas per block stage, one of them 2x (stage 1) or 4x
   (stage 2) slower (``train.slowdown``), to see whether each replica's share of the
@@ -35,10 +34,9 @@ network frees a core for the others: latency costs less here than on separate ma
 the utilisation figures are shares of a crowded machine. TCP itself sees no latency (the
 delay is added above it), so the congestion-window ramp of a real long pipe is not emulated.
 
-Writes ``bench/results/wan.json`` (``--quick``: ``wan-quick.json``; ``ratio_50ms`` and ``ratio_100ms``: tokens/s against 0 ms
-at 100 Mbit/s, one replica per stage, the fixed window:
-``BASE_WINDOW``) and ``wan.png``. Needs root
-(namespaces, tc). Usage: ``python -m bench.wan [--quick] [--tokens 600000]``.
+Writes ``bench/results/wan.json`` (``--quick``: ``wan-quick.json``; ``ratio_50ms`` and
+``ratio_100ms``: tokens/s against 0 ms at 100 Mbit/s, one replica per stage, the fixed window,
+``BASE_WINDOW``) and ``wan.png``. Needs root (namespaces, tc). Usage: ``python -m bench.wan [--quick] [--tokens 600000]``.
 """
 
 from __future__ import annotations

@@ -69,6 +69,13 @@ def netns_available() -> tuple[bool, str]:
     return True, ""
 
 
+def token_bucket(dev: str, rate_mbit: float, burst: str, queue_ms: int) -> list[str]:
+    """The ``tc`` command that caps what ``dev`` sends at ``rate_mbit``, a bucket of
+    ``burst`` and a queue of ``queue_ms`` (``tbf``: real packets queue and wait)."""
+    cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit"]
+    return cmd + ["burst", burst, "latency", f"{queue_ms}ms"]
+
+
 @dataclass
 class Host:
     """One namespace: ``name`` is the namespace, ``address`` its IPv4 address on ``eth0``."""
@@ -101,10 +108,7 @@ class Host:
     def cap_uplink(self, rate_mbit: float) -> None:
         """Cap what this host sends at ``rate_mbit`` (a token bucket on its ``eth0``: real
         packets queue, as on a thin uplink)."""
-        self.run(
-            ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
-            + ["rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "200ms"]
-        )
+        self.run(token_bucket("eth0", rate_mbit, "64kb", 200))
 
 
 @dataclass
@@ -274,8 +278,7 @@ class Lab:
         splits: larger, the sender's 64 kB offload packets would pass whole, 52 ms each at
         10 Mbit/s, as no real uplink sends them."""
         subprocess.run(
-            ["ip", "netns", "exec", router, "tc", "qdisc", "replace", "dev", "wan", "root"]
-            + ["tbf", "rate", f"{rate_mbit}mbit", "burst", burst, "latency", f"{queue_ms}ms"],
+            ["ip", "netns", "exec", router, *token_bucket("wan", rate_mbit, burst, queue_ms)],
             check=True,
             capture_output=True,
             timeout=_CMD_TIMEOUT_S,

@@ -129,9 +129,7 @@ def test_a_natted_block_node_serves_through_the_head_and_the_swarm_learns(
         join(behind_nat, "1", head, tmp_path / "natted.log", swarm),
     ]
     try:
-        st = wait_for(
-            lambda: (s := status_of(behind_nat))["ready"] and s, 120, "the NATed node to serve"
-        )
+        st = wait_for(partial(ready_status, behind_nat), 120, "the NATed node to serve")
         assert st["reachability"]["state"] == "relayed", st["reachability"]
         assert [v["address"] for v in st["relay"]["via"]] == [head]
         wait_for(lambda: completed(public_head) >= 5, 120, "5 microbatches through the relay")
@@ -217,7 +215,7 @@ def test_when_the_relay_in_use_dies_the_natted_node_moves_and_training_goes_on(
         for host in public_relays:  # both relay-only nodes up before the NATed node looks
             wait_for(partial(relaying_for, host, 8), 60, "a relay")
         logs.append(join(behind_nat, "1", head, tmp_path / "natted.log", swarm, ("net.relays=1",)))
-        st = wait_for(lambda: (s := status_of(behind_nat))["ready"] and s, 120, "NATed node")
+        st = wait_for(partial(ready_status, behind_nat), 120, "NATed node")
         (used,) = (v["address"] for v in st["relay"]["via"])
         wait_for(lambda: completed(public_head) >= 10, 120, "10 microbatches through the relay")
         os.killpg(procs[relays.index(used)].pid, signal.SIGKILL)  # the relay goes away
