@@ -103,7 +103,8 @@ class Node:
             Neighbourhood(self.num_stages, radius) if members.tables == "neighbourhood" else None
         )
         self.table = PeerTable(self.peer_id, members.ttl_s, members.max_peers, scope=scope)
-        self.router = Router(self.rng)
+        # a failed peer that spoke to us in the last two heartbeats is alive (Router.unresponsive)
+        self.router = Router(self.rng, silent_s=2 * members.heartbeat_s)
         self.router.samples = float(config.data.batch_size)
         self.membership = MembershipService(
             config.membership,

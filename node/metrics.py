@@ -61,6 +61,10 @@ _NAMED_COUNTERS = {
         "murmur_loss_spikes_skipped",
         "Microbatches not trained on: their loss spiked or was not finite (counted as dropped).",
     ),
+    "stages_seen_empty": (
+        "murmur_stages_seen_empty",
+        "Times this node saw a stage lose its last live replica (a refill may follow).",
+    ),
     "peers_banned": ("murmur_peers_banned", "Peers banned for sending poisoned weights."),
     "peers_refused_table_full": (
         "murmur_peers_refused_table_full",

@@ -257,7 +257,9 @@ class NodeServer:
 
     async def _dispatch(self, msg: Message, peer_host: str, hearsay: bool) -> Message:
         """``hearsay``: ``peer_host`` is a relay's word, not a socket's."""
-        self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
+        sender = self.guard.admit(msg, peer_host)  # banned, unknown, rate-limited, duplicate
+        if sender is not None and sender != self.ctx.peer_id:
+            self.ctx.router.heard(sender, self.ctx.clock.now())  # alive, whatever our hops met
         if isinstance(msg, Hello):
             return self.membership.handle_hello(msg, peer_host)
         if isinstance(msg, Ping):

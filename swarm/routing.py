@@ -19,7 +19,8 @@ are weighed by what they said a moment ago, whatever the swarm's size. A
 replica we know nothing about yet gets the best rate and the shortest hop seen, so new
 peers are probed early (SWARM's reference probes new peers first), and the draw keeps
 probing every replica with a nonzero chance. A peer that failed is
-banned for ``ban_s`` seconds. A peer caught misbehaving (poisoned weights, see
+banned for ``ban_s`` seconds; whether it still counts as serving (``unresponsive``, what
+recovery reads) depends also on whether it has spoken to us since. A peer caught misbehaving (poisoned weights, see
 ``swarm.screen``) is *quarantined* for longer: routing avoids it, gossip does not pair with
 it, and the daemon refuses its requests with ``banned`` until the quarantine ends; a
 ``Leave`` does not lift it. With all peers equally fast and idle the draw is uniform,
@@ -54,6 +55,12 @@ class PeerStats:
     banned_until: float = float("-inf")
     quarantined_until: float = float("-inf")
     """Until then the peer is banned for misbehaviour, not merely backed off after a failure."""
+    avoided_until: float = float("-inf")
+    """Until then nothing is routed to it: its address did not take a connection."""
+    failed_s: float = float("-inf")
+    """When a request to it last failed."""
+    heard_s: float = float("-inf")
+    """When it last spoke to us: a reply to our request, or a request of its own."""
     latency_ema_s: float | None = None
     queue: int = 0
     """The peer's jobs queued or running, ours included, as its last ack said (``queue_s``)."""
@@ -122,10 +129,15 @@ def _queue(c: PeerRecord, s: PeerStats, now: float, rate: float, samples: float)
 class Router:
     """Keeps per-peer observations and draws next hops."""
 
-    def __init__(self, rng: random.Random, ban_s: float = 10.0, ema: float = 0.3) -> None:
+    def __init__(
+        self, rng: random.Random, ban_s: float = 10.0, ema: float = 0.3, silent_s: float = 2.0
+    ) -> None:
         self.rng = rng
         self.ban_s = ban_s
         self.ema = ema
+        self.silent_s = silent_s
+        """A peer whose request failed still counts as serving while it spoke to us this
+        recently (``unresponsive``): the daemon's is two membership heartbeats."""
         self.stats: dict[str, PeerStats] = {}
         self.here = ""
         """This node's address (a relayed replica whose relay is this node costs no more)."""
@@ -166,6 +178,7 @@ class Router:
         s.num_in_flight = max(0, s.num_in_flight - 1)
         if ok:
             s.num_failures = 0
+            s.heard_s = now
             if queue >= 0:
                 s.queue, s.queue_s = queue, now
             if rate > 0:
@@ -177,13 +190,46 @@ class Router:
                 )
         else:
             s.num_failures += 1
+            s.failed_s = now
             s.banned_until = max(now + self.ban_s, s.quarantined_until)
+
+    def heard(self, peer_id: str, now: float) -> None:
+        """``peer_id`` sent us a request (admitted): it is alive, whatever our requests to it
+        met. Only peers we have sent to are noted (a stranger's hello adds nothing here)."""
+        s = self.stats.get(peer_id)
+        if s is not None:
+            s.heard_s = max(s.heard_s, now)
+
+    def unresponsive(self, now: float) -> set[str]:
+        """Peers not to count as serving now: quarantined, avoided (their address takes no
+        connection), or failed a request in the last ``ban_s`` and silent since, for more
+        than ``silent_s``.
+
+        A failed request alone does not tell a dead peer from a slow path: the hop of a
+        node behind a thin uplink times out in its own upload queue while the receiver is
+        fine, and keeps speaking to us (its own hops, its membership pings). A peer that
+        spoke to us after the failure, or in the last ``silent_s``, is alive; one that did
+        not is counted out at once, the failure detection CheckFree's refill starts from
+        (a killed peer's next hop is refused, so it is counted out about ``silent_s`` after
+        its last word at the latest; a frozen one's hop times out, long after its last)."""
+        return {
+            peer_id
+            for peer_id, s in self.stats.items()
+            if s.quarantined_until > now
+            or s.avoided_until > now
+            or (
+                now - s.failed_s < self.ban_s
+                and s.heard_s <= s.failed_s
+                and now - s.heard_s > self.silent_s
+            )
+        }
 
     def avoid(self, peer_id: str, now: float, seconds: float) -> None:
         """Route nothing to ``peer_id`` for ``seconds`` (it could not be dialled back: its
         address does not take connections). Unlike a quarantine, its requests are welcome."""
         s = self._stats(peer_id)
-        s.banned_until = max(s.banned_until, now + seconds)
+        s.avoided_until = max(s.avoided_until, now + seconds)
+        s.banned_until = max(s.banned_until, s.avoided_until)
 
     def quarantine(self, peer_id: str, now: float, seconds: float) -> None:
         """Ban ``peer_id`` for misbehaviour for ``seconds`` (routing skips it meanwhile too)."""

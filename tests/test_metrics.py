@@ -70,6 +70,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_lr_scale": ("gauge", {"stage"}),
     "murmur_learning_rate": ("gauge", {"stage"}),
     "murmur_attention_logit_max": ("gauge", {"stage", "block"}),
+    "murmur_stages_seen_empty": ("counter", set()),
     "murmur_peers_banned": ("counter", set()),
     "murmur_peers_refused_table_full": ("counter", set()),
     "murmur_peers_buried": ("counter", set()),

@@ -63,6 +63,39 @@ def test_banned_peer_has_zero_weight_until_ban_ends() -> None:
     assert route_weights([rec("a", 1.0)], r.stats, now=110.5) == [1.0]
 
 
+def test_a_failed_peer_that_speaks_to_us_is_alive_though_still_avoided() -> None:
+    """A failed hop counts a peer out of the serving (recovery's liveness) unless it spoke to
+    us since, or in the last ``silent_s``: the hop may have waited in our own thin uplink
+    while the peer was fine. Routing still backs off from it for ``ban_s``."""
+    r = Router(random.Random(0), ban_s=10.0, silent_s=2.0)
+    for peer in ("slow_path", "dead"):
+        r.started(peer)
+        r.finished(peer, ok=False, now=100.0)
+    assert r.unresponsive(100.5) == {"slow_path", "dead"}  # never heard from
+    r.heard("slow_path", 102.0)  # its own forward reached us after our hop to it timed out
+    r.heard("stranger", 102.0)  # a peer we never sent to is not noted at all
+    assert r.unresponsive(103.0) == {"dead"} and "stranger" not in r.stats
+    assert route_weights([rec("slow_path", 1.0)], r.stats, now=103.0) == [0.0]
+    r.started("slow_path")
+    r.finished("slow_path", ok=False, now=103.5)  # fails again; spoke 1.5 s ago
+    assert r.unresponsive(104.0) == {"dead"}  # 2.0 s of silence: still counted
+    assert r.unresponsive(104.5) == {"slow_path", "dead"}  # silent for longer: counted out
+    r.started("slow_path")
+    r.finished("slow_path", ok=True, now=106.0)  # an answer is hearing from it too
+    assert r.unresponsive(109.0) == {"dead"}  # spoke after its last failure
+    assert r.unresponsive(110.5) == set()  # the dead one's ban ended: the table decides now
+
+
+def test_quarantined_and_avoided_peers_stay_unresponsive_whatever_they_send() -> None:
+    r = Router(random.Random(0))
+    r.quarantine("poisoner", now=0.0, seconds=300.0)
+    r.avoid("undialable", now=0.0, seconds=60.0)
+    r.heard("poisoner", 1.0)
+    r.heard("undialable", 1.0)
+    assert r.unresponsive(2.0) == {"poisoner", "undialable"}
+    assert r.unresponsive(61.0) == {"poisoner"}
+
+
 def test_equal_peers_are_chosen_uniformly() -> None:
     r = Router(random.Random(42))
     peers = [rec(p, 10.0) for p in "abcd"]

@@ -69,8 +69,9 @@ class RequestGuard:
         self.buckets = TokenBuckets(net.rate_limit_per_s, net.rate_limit_burst)
         self.seen = RecentIds()
 
-    def admit(self, msg: Message, peer_host: str) -> None:
-        """Refuse ``msg`` (``Refused``) unless its sender may send it now and it is new."""
+    def admit(self, msg: Message, peer_host: str) -> str | None:
+        """Refuse ``msg`` (``Refused``) unless its sender may send it now and it is new;
+        the peer it says it comes from (None: it names none)."""
         ctx = self.ctx
         now = ctx.clock.now()
         sender = claimed_sender(msg)
@@ -97,6 +98,7 @@ class RequestGuard:
             )
         if isinstance(msg, Forward | Backward):
             self._check_microbatch(msg)
+        return sender
 
     def _check_microbatch(self, msg: Forward | Backward) -> None:
         num_stages = self.ctx.num_stages

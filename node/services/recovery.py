@@ -3,8 +3,10 @@
 Owns the daemon's side of CheckFree (arXiv 2506.15461; policy in ``swarm.recovery``):
 
 - **Watch.** Every second the node looks at its peer table (and, for the stages it does not
-  hold, at their summaries); a stage with no ready replica is *empty* from that moment. Head nodes meanwhile pause new microbatches (``node.roles.head``
-  waits for a complete pipeline) rather than failing them.
+  hold, at their summaries); a stage with no ready replica is *empty* from that moment. A
+  replica whose request from this node failed and that has been silent since does not
+  count (``swarm.routing.Router.unresponsive``). Head nodes meanwhile pause new
+  microbatches (``node.roles.head`` waits for a complete pipeline) rather than failing them.
 - **Refill.** A joining ``--stage auto`` node takes an empty stage first (``node.services.balance``).
   If none has come after ``recovery.refill_wait_s``, the lowest-id replica of the block
   stage with the most replicas (never its last) moves there; every node computes the same
@@ -176,13 +178,14 @@ class RecoveryService:
 
     def live(self) -> dict[int, list[PeerRecord]]:
         """Ready replicas per stage known (``NodeContext.everyone``), this node included when
-        it serves; peers that just failed to answer (banned by the router) do not count: they
-        are probably dead but not yet expired from the table."""
+        it serves; peers that just failed to answer and have not spoken to us since
+        (``Router.unresponsive``) do not count: they are probably dead but not yet expired
+        from the table. One that failed a hop but keeps sending us its own requests counts:
+        the hop probably waited in this node's own thin uplink."""
         ctx = self.ctx
-        now = ctx.clock.now()
-        banned = {pid for pid, st in ctx.router.stats.items() if st.banned_until > now}
+        unresponsive = ctx.router.unresponsive(ctx.clock.now())
         live = {
-            s: [r for r in records if r.ready and r.peer_id not in banned]
+            s: [r for r in records if r.ready and r.peer_id not in unresponsive]
             for s, records in ctx.everyone().items()
         }
         if ctx.state.serving and ctx.stage >= 0:
@@ -207,6 +210,7 @@ class RecoveryService:
                 self.empty_since.pop(stage, None)
             elif stage not in self.empty_since:
                 self.empty_since[stage] = now
+                ctx.counters["stages_seen_empty"] += 1
                 source = "" if ctx.table.covers(stage) else " (by a peer's summary)"
                 log.warning("stage %d has no live replica%s", stage, source)
         for stage, since in sorted(self.empty_since.items()):

@@ -53,11 +53,14 @@ class StateFetcher:
     ) -> StageState | None:
         """The state of the most advanced live replica of ``stage`` that answers with
         weights that pass the screen (and that ``use`` takes without a ``ValueError``), or
-        None when none does."""
+        None when none does. Replicas the router counts out (``Router.unresponsive``:
+        poisoned weights before, or failed and silent since) are not asked: a vanished
+        host would hold the copy for ``FETCH_TIMEOUT_S``."""
         ctx = self.ctx
+        unresponsive = ctx.router.unresponsive(ctx.clock.now())
         for peer in sorted(ctx.table.replicas(stage), key=lambda p: -p.step):
-            if ctx.router.is_quarantined(peer.peer_id, ctx.clock.now()):
-                continue  # it sent poisoned weights before
+            if peer.peer_id in unresponsive:
+                continue
             try:
                 state = await self.fetch_from(peer.address, peer.peer_id, stage)
                 if not await self.screened(peer.peer_id, state.tensors):
