@@ -215,6 +215,9 @@ class HopSender:
                 return None
             ctx.router.finished(peer_id, False, ctx.clock.now())
             ctx.counters[f"send_failed_{code}"] += 1
+            if code == "timeout":  # the payload got at most its bytes over the deadline
+                nbytes = sum(t.nbytes for t in msg.tensors.values())
+                self.wire.observe_timeout(nbytes, ctx.config.train.hop_timeout_s)
             self._log.log(
                 f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e
             )

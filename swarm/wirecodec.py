@@ -12,7 +12,9 @@ its receivers measure it:
   its ``Ack`` (``Ack.rate``, bytes per second; 0 for bodies under ``MIN_TIMED_BYTES``,
   which arrive with their headers, and for relayed ones);
 - the sender keeps a moving average ``r`` of those rates: what its payloads actually get,
-  its share of its uplink when several are in flight at once;
+  its share of its uplink when several are in flight at once; a request that timed out
+  bounds it (``observe_timeout``: its bytes over the timeout), so a link on which no
+  transfer finishes in time still leaves the most precise codec;
 - a link keeps up when sending one job's output takes no longer than computing it (the
   pipeline's slowest part sets its pace; SWARM's throughput model counts both): the node
   takes the most precise codec ``k`` of ``CANDIDATES`` whose payload ``n_k`` satisfies
@@ -87,6 +89,20 @@ class CodecChoice:
         self.rate_bytes_s = (
             rate_bytes_s if prev is None else prev + self.ema * (rate_bytes_s - prev)
         )
+
+    def observe_timeout(self, nbytes: int, seconds: float) -> None:
+        """A request carrying ``nbytes`` that had no answer within ``seconds``: its payload
+        got at most ``nbytes / seconds``, and the estimate drops to that bound if it was
+        higher (a bound, not a measurement, so it never raises it). On an uplink too thin
+        for any transfer to finish in time no receiver ever reports a rate; without this
+        the node would keep its most precise codec for good. Bodies too small to time say
+        nothing. A timeout with a fast link and a dead receiver lowers the estimate too;
+        the next reports raise it back at the moving average's pace."""
+        if nbytes < MIN_TIMED_BYTES or not seconds > 0:
+            return
+        bound = nbytes / seconds
+        if self.rate_bytes_s is None or self.rate_bytes_s > bound:
+            self.rate_bytes_s = bound
 
     def choose(self, numel: int, compute_s: float) -> str:
         """The codec for the next tensor of ``numel`` values, from a node that computes a

@@ -81,6 +81,30 @@ def test_reports_average_and_non_measurements_are_ignored() -> None:
     assert c.rate_bytes_s == pytest.approx(13.0)  # 10 + 0.3 * (20 - 10)
 
 
+def test_a_timed_out_payload_bounds_the_rate_so_a_link_nothing_crosses_takes_int8() -> None:
+    """Behind 1 Mbit/s no bf16 microbatch crossed within the 10 s hop deadline, so no
+    receiver ever reported a rate and the node stayed on bf16 for good
+    (``bench/thin_uplink.py --floor 1``). A timeout says the payload got at most 524,288 B
+    / 10 s = 52,429 B/s: bf16 would take 10 s a job, int8 about 5 s, so int8."""
+    c = CodecChoice()
+    c.observe_timeout(BF16, 10.0)
+    assert c.rate_bytes_s == pytest.approx(52_428.8)
+    assert c.choose(NUMEL, compute_s=0.05) == "int8"
+    c.observe_timeout(BF16, 5.0)  # a looser bound does not raise the estimate
+    assert c.rate_bytes_s == pytest.approx(52_428.8)
+    c.observe_timeout(MIN_TIMED_BYTES - 1, 10.0)  # too small to say anything
+    c.observe_timeout(BF16, 0.0)
+    assert c.rate_bytes_s == pytest.approx(52_428.8)
+    fast = CodecChoice()  # 100 Mbit/s, 0.1 s a job: bf16 takes 41.9 ms
+    fast.observe(12.5e6)
+    assert fast.choose(NUMEL, compute_s=0.1) == "bf16"
+    fast.observe_timeout(BF16, 10.0)  # a dead receiver on a fast link: the bound stands...
+    assert fast.choose(NUMEL, compute_s=0.1) == "int8"
+    for _ in range(6):  # ...until reports of the link's real rate bring it back (50 ms)
+        fast.observe(12.5e6)
+    assert fast.choose(NUMEL, compute_s=0.1) == "bf16"
+
+
 def test_agrees_with_the_rule_stated_independently() -> None:
     """The rule in words: the most precise codec whose payload is sent within one job's
     compute time (within half of it, to move to a more precise codec than the current);
