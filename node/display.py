@@ -74,6 +74,11 @@ def format_status(st: dict[str, Any]) -> str:
             link = wire.get("link_mbps")
             how = " (auto)" if link is None else f" (auto: payloads arrive at {link:.1f} Mbit/s)"
         lines.append(f"  wire codec {wire['codec']}{how}")
+        if wire.get("too_thin"):
+            lines.append(
+                f"  uplink too thin: one tensor takes {wire['send_s']:.1f} s to send, and two "
+                "in flight miss a hop's deadline (peers time out and re-issue its work)"
+            )
     if st["stage"] == 0:
         loss = "-" if st.get("loss") is None else f"{st['loss']:.3f}"
         ev = "-" if st.get("eval_loss") is None else f"{st['eval_loss']:.3f}"

@@ -555,6 +555,17 @@ def _wire_families(wire: dict[str, Any]) -> Iterator[Metric]:
             "(moving average).",
             wire["link_mbps"] * 1e6 / 8,
         )
+    if wire.get("send_s") is not None:
+        yield _gauge(
+            "murmur_wire_send_seconds",
+            "Seconds one of this node's activation or gradient tensors takes to send at that rate.",
+            wire["send_s"],
+        )
+    yield _gauge(
+        "murmur_wire_uplink_too_thin",
+        "1 when a tensor takes over half a hop's deadline to send: two in flight miss it.",
+        1.0 if wire.get("too_thin") else 0.0,
+    )
     yield _counter(
         "murmur_wire_codec_switches",
         "Times train.wire_codec = auto changed this node's codec.",

@@ -32,9 +32,12 @@ from node.context import NodeContext
 from node.logs import RateLimitedLog
 from protocol.messages import Ack, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
-from swarm.wirecodec import CodecChoice
+from swarm.wirecodec import CodecChoice, payload_bytes
 
 log = logging.getLogger(__name__)
+
+THIN_WARNING_EVERY_S = 300.0
+"""How often a node whose uplink is too thin for its microbatches says so."""
 
 Send = Callable[[], Awaitable[object]]
 """The network part of a job, run after its computation."""
@@ -120,19 +123,51 @@ class WorkQueue:
 class HopSender:
     """Sends finished microbatches onward: to a drawn replica of a stage, or to one peer;
     and says which wire codec they travel in (``codec``: as configured, or with
-    ``train.wire_codec = auto`` by the rates its receivers report, ``swarm.wirecodec``)."""
+    ``train.wire_codec = auto`` by the rates its receivers report, ``swarm.wirecodec``), and
+    whether the uplink is too thin for them (``too_thin``: logged, in ``node status`` and
+    the metrics)."""
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self._log = RateLimitedLog(log)
+        self._thin_log = RateLimitedLog(log, THIN_WARNING_EVERY_S)
         self.wire = CodecChoice()
+        self.send_s: float | None = None
+        """Seconds the last tensor would take to send at the rate payloads get (None: no
+        rate known yet)."""
 
     def codec(self, numel: int, job_s: float) -> str:
         """The codec for a tensor of ``numel`` values from a node that computes a job in
         ``job_s`` seconds."""
         fixed = self.ctx.config.train.wire_codec
-        if fixed != "auto":
-            return fixed
+        codec = fixed if fixed != "auto" else self._choose(numel, job_s)
+        rate = self.wire.rate_bytes_s
+        if rate is not None:
+            self.send_s = payload_bytes(codec, numel) / rate
+            if self.too_thin():
+                self._thin_log.log(
+                    "thin",
+                    logging.WARNING,
+                    "this node's uplink is too thin for the swarm's microbatches: its payloads "
+                    "get %.2f Mbit/s, so one %s tensor takes %.1f s to send and two in flight "
+                    "miss a hop's %g s deadline (train.hop_timeout_s); its peers will time out "
+                    "and re-issue its work. Serve from a faster uplink, or keep other "
+                    "uploads off this one",
+                    rate * 8 / 1e6,
+                    codec,
+                    self.send_s,
+                    self.ctx.config.train.hop_timeout_s,
+                )
+        return codec
+
+    def too_thin(self) -> bool:
+        """Whether one tensor takes more than half a hop's deadline to send: the adaptive
+        window keeps at least two in flight, so then they miss it."""
+        return self.send_s is not None and self.send_s > self.ctx.config.train.hop_timeout_s / 2
+
+    def _choose(self, numel: int, job_s: float) -> str:
+        """``train.wire_codec = auto``: the codec the link's rate calls for (logged when it
+        changes)."""
         before = self.wire.codec
         codec = self.wire.choose(numel, job_s)
         if codec != before:
@@ -155,6 +190,8 @@ class HopSender:
             "auto": auto,
             "link_mbps": None if rate is None else round(rate * 8 / 1e6, 2),
             "switches": self.wire.num_switches,
+            "send_s": None if self.send_s is None else round(self.send_s, 1),
+            "too_thin": self.too_thin(),
         }
 
     async def send_to(self, hop: Hop, msg: Message) -> bool:

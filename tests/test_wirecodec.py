@@ -159,6 +159,8 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
             "auto": True,
             "link_mbps": None,
             "switches": 0,
+            "send_s": None,
+            "too_thin": False,
         }
         node.hops.wire.observe(2.5e6)  # 20 Mbit/s
         assert node.hops.codec(NUMEL, 0.05) == "int8"
@@ -167,6 +169,8 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
             "auto": True,
             "link_mbps": 20.0,
             "switches": 1,
+            "send_s": 0.1,  # 262,656 B at 2.5e6 B/s: 0.105 s
+            "too_thin": False,
         }
         assert "wire codec int8 (auto: payloads arrive at 20.0 Mbit/s)" in format_status(
             node.status()
@@ -182,3 +186,29 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
         assert fixed.hops.codec(NUMEL, 0.05) == "bf16"  # a fixed codec is never second-guessed
     finally:
         await fixed.close()
+
+
+async def test_a_node_whose_uplink_is_too_thin_for_its_microbatches_is_told(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At 0.5 Mbit/s (62,500 B/s) an int8 tensor of the tiny model's microbatch takes
+    262,656 / 62,500 = 4.2 s to send: within half the 10 s hop deadline. At 0.4 Mbit/s it
+    takes 5.3 s: two in flight miss it, and the node says so, in its log (once per
+    ``THIN_WARNING_EVERY_S``) and in ``node status``."""
+    node = await start_node()
+    try:
+        node.hops.wire.observe(62_500.0)
+        assert node.hops.codec(NUMEL, 0.05) == "int8"
+        assert node.status()["wire"]["send_s"] == 4.2 and not node.status()["wire"]["too_thin"]
+        assert "too thin" not in caplog.text
+        for _ in range(40):  # reports of 0.4 Mbit/s bring the average down to it
+            node.hops.wire.observe(50_000.0)
+        assert node.hops.codec(NUMEL, 0.05) == "int8"
+        node.hops.codec(NUMEL, 0.05)
+        wire = node.status()["wire"]
+        assert wire["send_s"] == 5.3 and wire["too_thin"]
+        assert caplog.text.count("uplink is too thin") == 1
+        assert "0.40 Mbit/s, so one int8 tensor takes 5.3 s" in caplog.text
+        assert "uplink too thin: one tensor takes 5.3 s" in format_status(node.status())
+    finally:
+        await node.close()
