@@ -16,6 +16,10 @@ What the adaptive default costs where links are not thin: the head and 3 block s
 the default ``train.max_in_flight`` (6), ``--fat-seeds`` seeds, tokens/s after a warm-up and
 the eval loss once ``--tokens`` are spent (``bench.wan.run``).
 
+Where the default stops working: ``--floor 1 0.5`` runs the defaults (adaptive window) once
+at each of these thinner uplinks, added under ``floor`` with the commit it ran (earlier
+commits' runs stay, to be read side by side).
+
 On the thin uplink, for each policy in turn, ``--rounds`` rounds: from the moment the block
 node serves, the head's counters for ``--measure-s`` seconds (microbatches completed, re-issued, dropped), its
 window (sampled every 5 s) and the codec the block node ended with. Writes
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -143,6 +148,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--measure-s", type=float, default=120.0)
     p.add_argument("--fat-seeds", type=int, default=2, help="0: skip the fat-link runs")
     p.add_argument("--tokens", type=int, default=300_000, help="token budget of a fat-link run")
+    p.add_argument(
+        "--floor",
+        type=float,
+        nargs="*",
+        default=[],
+        help="thinner uplinks (Mbit/s) to run the adaptive default at, once each",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="thin_uplink-"))
@@ -164,6 +176,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{run['retried']} re-issued, {run['dropped']} dropped, window "
                 f"{run['window_mean']:.1f} on average, codec {run['codec']}"
             )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    floor = [live(None, mbit, args.measure_s, logs / f"floor-{mbit:g}") for mbit in args.floor]
+    for run in floor:
+        run["commit"] = commit
+        say(
+            f"adaptive at {run['mbit']:g} Mbit/s: {run['completed']} microbatches in "
+            f"{run['measure_s']:.0f} s, {run['retried']} re-issued, {run['dropped']} dropped, "
+            f"window {run['window_mean']:.1f}, codec {run['codec']}"
+        )
+    floor = previous.get("floor", []) + floor  # each run names its commit: kept side by side
     summary: dict[str, Any] = {
         w: {
             "microbatches_per_s_median": statistics.median(
@@ -194,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": summary,
         "runs": runs,
         "fat_links": fat,
+        "floor": floor,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
