@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,30 @@ print(json.dumps({"startup_ready_s": ready_s, "startup_step2_s": step2_s}))
 """
 
 
+def short_rev(rev: str = "HEAD") -> str:
+    """``rev`` as a short commit id (of this checkout's repository)."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+@contextmanager
+def worktrees(revs: dict[str, str]) -> Iterator[dict[str, tuple[str, Path]]]:
+    """Each revision checked out as a git worktree in a temporary directory, by name:
+    ``{name: (short commit id, path)}``; removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        trees = {name: (short_rev(rev), Path(tmp) / name) for name, rev in revs.items()}
+        for rev, tree in trees.values():
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=ROOT, check=True
+            )
+        try:
+            yield trees
+        finally:
+            for _, tree in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+
+
 def measure(tree: Path) -> dict[str, Any]:
     """One measurement of the checkout at ``tree`` (its own node/, swarm/, protocol/): the
     start-up, then hop latency and the pipeline."""
@@ -105,30 +131,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     sides: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
-        trees = {}
-        for side in sides:
-            rev = subprocess.run(
-                ["git", "rev-parse", "--short", getattr(args, side)],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-            trees[side] = (rev, Path(tmp) / side)
-            subprocess.run(
-                ["git", "worktree", "add", "--detach", "-q", str(trees[side][1]), rev],
-                cwd=ROOT,
-                check=True,
-            )
-        try:
-            for i in range(args.rounds):
-                for side, (rev, tree) in trees.items():
-                    print(f"[ab] round {i + 1}: {side} ({rev})", file=sys.stderr, flush=True)
-                    sides[side].append(measure(tree))
-        finally:
-            for _, tree in trees.values():
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    with worktrees({side: getattr(args, side) for side in sides}) as trees:
+        for i in range(args.rounds):
+            for side, (rev, tree) in trees.items():
+                print(f"[ab] round {i + 1}: {side} ({rev})", file=sys.stderr, flush=True)
+                sides[side].append(measure(tree))
     result: dict[str, Any] = {"commits": {s: trees[s][0] for s in sides}, "runs": sides}
     result["medians"] = {
         side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}

@@ -4,8 +4,9 @@ is seen, this checkout's code against an older one's, side by side in one run.
 A node whose hop to a peer fails stops counting that peer as a live replica of its stage
 (``node.services.recovery``): the peer is probably dead and not yet expired from the peer
 table, and CheckFree's refill starts from that moment. But the hop of a node behind a thin
-uplink fails in its own upload queue while the receiver is fine. Since this change a failed
-peer is counted out only until it speaks to us again (``swarm.routing.Router.unresponsive``).
+uplink fails in its own upload queue while the receiver is fine. Since ``c2e8219`` a failed
+peer is counted out only if it has not spoken to us since, nor in the last two heartbeats
+(``swarm.routing.Router.unresponsive``).
 
 - **False losses.** A public head and a NATed block node (``bench.uplink_live.natted_swarm``:
   real ``node join`` processes, the block node behind a ``--mbit`` Mbit/s router uplink with
@@ -20,11 +21,10 @@ peer is counted out only until it speaks to us again (``swarm.routing.Router.unr
   answered, as from a host that vanished); the seconds until stage 1's node counts stage 2
   empty (``node status``: ``recovery.empty_stages``).
 
-``--old PATH``: a checkout of the older commit (``git worktree add /tmp/old <rev>``); its
-nodes run with that directory as their working directory. Writes
-``bench/results/false_death.json``.
+The older commit is checked out as a git worktree (``bench.ab.worktrees``); its nodes run
+with that directory as their working directory. Writes ``bench/results/false_death.json``.
 
-Usage: ``python -m bench.false_death --old /tmp/old [--mbit 2] [--measure-s 120]`` (as root).
+Usage: ``python -m bench.false_death OLD_COMMIT [--mbit 2] [--measure-s 120]`` (as root).
 """
 
 from __future__ import annotations
@@ -34,30 +34,22 @@ import contextlib
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.ab import ROOT, short_rev, worktrees
 from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 
 RESULTS = Path(__file__).parent / "results"
-HERE = Path(__file__).resolve().parent.parent
 EMPTY_LINE = "has no live replica"
 
 
 def say(text: str) -> None:
     print(f"[false_death {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def commit(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "unknown"
 
 
 def thin(window: str, mbit: float, measure_s: float, logs: Path) -> dict[str, Any]:
@@ -139,17 +131,22 @@ def summarise(out: dict[str, Any], code: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--old", type=Path, required=True, help="a checkout of the older commit")
+    ap.add_argument("old", help="the older commit (checked out as a git worktree)")
     ap.add_argument("--mbit", type=float, default=2.0)
     ap.add_argument("--measure-s", type=float, default=120.0)
     ap.add_argument("--thin-rounds", type=int, default=1, help="0: keep the recorded runs")
     ap.add_argument("--detect-rounds", type=int, default=3, help="0: keep the recorded runs")
     args = ap.parse_args()
-    trees = {"old": args.old.resolve(), "new": HERE}
+    with worktrees({"old": args.old}) as old:
+        compare(args, {"old": old["old"], "new": (short_rev(), ROOT)})
+
+
+def compare(args: argparse.Namespace, trees: dict[str, tuple[str, Path]]) -> None:
+    """Every part for the old and the new code (``{label: (commit, checkout)}``) in turn."""
     path = RESULTS / "false_death.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     out: dict[str, Any] = {
-        "commits": {label: commit(tree) for label, tree in trees.items()},
+        "commits": {label: rev for label, (rev, _) in trees.items()},
         "mbit": args.mbit,
         "thin": [] if args.thin_rounds else previous.get("thin", []),
         "detection": [] if args.detect_rounds else previous.get("detection", []),
@@ -157,7 +154,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="false-death-") as tmp:
         for rnd in range(args.thin_rounds):
             for window in ("fixed", "adaptive"):
-                for label, tree in trees.items():
+                for label, (_, tree) in trees.items():
                     say(f"{label}: {window} window behind {args.mbit:g} Mbit/s")
                     logs = Path(tmp) / f"thin-{rnd}-{window}-{label}"
                     with contextlib.chdir(tree):
@@ -167,7 +164,7 @@ def main() -> None:
                     say(f"  {run}")
         for rnd in range(args.detect_rounds):
             for how in ("kill", "freeze"):
-                for label, tree in trees.items():
+                for label, (_, tree) in trees.items():
                     say(f"{label}: stage 2 {how}")
                     with contextlib.chdir(tree):
                         run = detection(how, Path(tmp) / f"detect-{rnd}-{how}-{label}")

@@ -34,12 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.ab import short_rev
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("fixed", "adaptive")
@@ -176,9 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{run['retried']} re-issued, {run['dropped']} dropped, window "
                 f"{run['window_mean']:.1f} on average, codec {run['codec']}"
             )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = short_rev()
     floor = [live(None, mbit, args.measure_s, logs / f"floor-{mbit:g}") for mbit in args.floor]
     for run in floor:
         run["commit"] = commit

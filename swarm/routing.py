@@ -18,9 +18,9 @@ budget: every few minutes at 100 nodes, hours at 1000), so the replicas this nod
 are weighed by what they said a moment ago, whatever the swarm's size. A
 replica we know nothing about yet gets the best rate and the shortest hop seen, so new
 peers are probed early (SWARM's reference probes new peers first), and the draw keeps
-probing every replica with a nonzero chance. A peer that failed is
-banned for ``ban_s`` seconds; whether it still counts as serving (``unresponsive``, what
-recovery reads) depends also on whether it has spoken to us since. A peer caught misbehaving (poisoned weights, see
+probing every replica with a nonzero chance. A peer that failed is banned for ``ban_s``
+seconds; whether it still counts as serving (``unresponsive``, what recovery reads) depends
+also on whether it has spoken to us since. A peer caught misbehaving (poisoned weights, see
 ``swarm.screen``) is *quarantined* for longer: routing avoids it, gossip does not pair with
 it, and the daemon refuses its requests with ``banned`` until the quarantine ends; a
 ``Leave`` does not lift it. With all peers equally fast and idle the draw is uniform,
