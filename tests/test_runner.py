@@ -8,7 +8,7 @@ import torch
 
 from node.config import TrainConfig, resolve_config
 from node.stage.model import build_stage
-from node.stage.runner import StageRunner, lr_at
+from node.stage.runner import RATE_DECAY, StageRunner, lr_at
 
 
 def test_lr_schedule() -> None:
@@ -49,6 +49,34 @@ def test_block_backward_matches_autograd_and_steps_after_step_samples() -> None:
     r.block_backward("b", g)
     assert r.step == 1 and r.samples == 4
     assert 0 < r.thermo.grad_norm <= 1.0
+
+
+def test_job_time_is_known_from_the_first_forward() -> None:
+    """The wire codec is chosen by the job time before a node's first backward: behind a
+    thin uplink its first round trip may never complete (it stayed 0 for 19 s at 1 Mbit/s,
+    and the node kept bf16 the while)."""
+    r = runner(1)
+    assert r.job_s == 0.0
+    x = torch.randn(2, 8, 128)
+    r.block_forward("a", x, train=True)
+    forward_s = r.compute_s
+    assert r.service_rate == 0.0  # no sample finished yet
+    assert r.job_s == pytest.approx(forward_s)
+    r.block_backward("a", torch.randn(2, 8, 128))
+    backward_s = r.compute_s - forward_s
+    decay = RATE_DECAY  # each job weighs this much less after the next one
+    mean = (decay * forward_s + backward_s) / (decay + 1)
+    assert r.job_s == pytest.approx(mean)
+    assert r.service_rate == pytest.approx(2 / (decay * forward_s + backward_s))
+
+
+def test_a_seeded_rate_gives_the_job_time_of_half_a_microbatch() -> None:
+    r = runner(1)
+    r.seed_rate(12.5)  # samples per second
+    assert r.job_s == pytest.approx(r.config.data.batch_size / 12.5 / 2)
+    assert r.service_rate == pytest.approx(12.5)
+    r.seed_rate(0.0)
+    assert r.job_s == 0.0 and r.service_rate == 0.0
 
 
 def _grads_with(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple:

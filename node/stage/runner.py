@@ -208,6 +208,7 @@ class StageRunner:
         self.compute_s = 0.0
         self._recent_samples = 0.0
         self._recent_s = 0.0
+        self._recent_jobs = 0.0
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the compute thread."""
@@ -612,18 +613,26 @@ class StageRunner:
 
     @property
     def job_s(self) -> float:
-        """Seconds of compute per job (one microbatch's forward or backward: half of its
-        samples over the service rate), 0 until measured."""
-        rate = self.service_rate
-        return self.config.data.batch_size / rate / 2 if rate > 0 else 0.0
+        """Seconds of compute per job (one microbatch's forward or its backward), over
+        roughly the last ``1 / (1 - RATE_DECAY)`` jobs; 0 until one is measured or the rate
+        is seeded. Known from the first forward on: the service rate counts samples when a
+        backward finishes, so it waits for a round trip, which a thin uplink may never
+        complete (and the wire codec is chosen by this)."""
+        return self._recent_s / self._recent_jobs if self._recent_jobs > 0 else 0.0
 
     def seed_rate(self, rate: float, weight_s: float = 1.0) -> None:
-        """Start the service rate from an estimate worth ``weight_s`` seconds of work."""
-        self._recent_samples, self._recent_s = rate * weight_s, weight_s if rate > 0 else 0.0
+        """Start the service rate from an estimate worth ``weight_s`` seconds of work (and
+        the job time with it: a microbatch is two jobs)."""
+        if not rate > 0:
+            self._recent_samples = self._recent_s = self._recent_jobs = 0.0
+            return
+        self._recent_samples, self._recent_s = rate * weight_s, weight_s
+        self._recent_jobs = 2 * self._recent_samples / self.config.data.batch_size
 
     def _account(self, t0: float, num_samples: int) -> None:
-        """Track compute time and finished samples (decayed sums for the service rate); on
-        an emulated slower machine (``train.slowdown``), first take that much longer."""
+        """Track one job's compute time and finished samples (decayed sums for the service
+        rate and the job time); on an emulated slower machine (``train.slowdown``), first
+        take that much longer."""
         elapsed = time.perf_counter() - t0
         if self.train.slowdown > 1:
             time.sleep((self.train.slowdown - 1) * elapsed)
@@ -631,6 +640,7 @@ class StageRunner:
         self.compute_s += elapsed
         self._recent_s = RATE_DECAY * self._recent_s + elapsed
         self._recent_samples = RATE_DECAY * self._recent_samples + num_samples
+        self._recent_jobs = RATE_DECAY * self._recent_jobs + 1
 
     # ---- state transfer -----------------------------------------------------------------
 
