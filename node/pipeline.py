@@ -32,6 +32,7 @@ from node.context import NodeContext
 from node.logs import RateLimitedLog
 from protocol.messages import Ack, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
+from swarm.window import MIN_SIZE
 from swarm.wirecodec import CodecChoice, payload_bytes
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,9 @@ class HopSender:
 
     def too_thin(self) -> bool:
         """Whether one tensor takes more than half a hop's deadline to send: the adaptive
-        window keeps at least two in flight, so then they miss it."""
-        return self.send_s is not None and self.send_s > self.ctx.config.train.hop_timeout_s / 2
+        window keeps at least two (``MIN_SIZE``) in flight, so then they miss it."""
+        deadline = self.ctx.config.train.hop_timeout_s
+        return self.send_s is not None and self.send_s > deadline / MIN_SIZE
 
     def _choose(self, numel: int, job_s: float) -> str:
         """``train.wire_codec = auto``: the codec the link's rate calls for (logged when it

@@ -41,11 +41,15 @@ from dataclasses import dataclass
 
 HISTORY = 120
 """Window changes kept for ``node status`` (time, size)."""
+MIN_SIZE = 2
+"""The fewest microbatches a window keeps in flight (unless its bound is lower): what a node
+of the pipeline must be able to send within a hop's deadline (``node.pipeline``'s "too
+thin")."""
 
 
 @dataclass(frozen=True)
 class WindowConfig:
-    min_size: int = 2
+    min_size: int = MIN_SIZE
     max_size: int = 32
     initial: int = 4
     alpha: float = 1.0

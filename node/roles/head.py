@@ -43,7 +43,7 @@ from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
 from swarm.seams import Refused
-from swarm.window import InFlightWindow, WindowConfig
+from swarm.window import MIN_SIZE, InFlightWindow, WindowConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class HeadRole:
         """The adaptive in-flight window (``train.window = adaptive``), else None."""
         if self.train.window == "adaptive":
             top = self.train.max_in_flight
-            config = WindowConfig(min_size=min(2, top), max_size=top, initial=min(4, top))
+            config = WindowConfig(min_size=min(MIN_SIZE, top), max_size=top, initial=min(4, top))
             self.in_flight = InFlightWindow(config, time.monotonic())
         self.evals: list[EvalPoint] = []
         self._eval_lock = asyncio.Lock()
