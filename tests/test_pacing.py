@@ -51,20 +51,40 @@ def test_the_rule_paces_only_once_the_queue_passed_its_target_and_forgets_when_i
     rule = PaceRule()
     assert rule.pace(0.0, None, 0) is None  # nothing uploading
     assert rule.pace(0.1, 0.010, 0) is None  # uploading, but the queue is short
-    # 0.5 s after the first reading 600 kB were acknowledged: 1.2 MB/s, queue 125 ms
+    # 0.4 s after the first uploading reading 600 kB were acknowledged: 1.5 MB/s, queue 125 ms
     pace = rule.pace(0.5, 0.125, 600_000)
-    assert rule.pacing and rule.capacity == pytest.approx(600_000 / 0.5)
-    assert pace == pytest.approx(1.2e6 * 0.25)  # 100 ms over the target: the least gain
-    # the queue drained to 5 ms; goodput over the last half second (0.1 -> 0.6)
+    assert rule.pacing and rule.capacity == pytest.approx(600_000 / 0.4)
+    assert pace == pytest.approx(1.5e6 * 0.25)  # 100 ms over the target: the least gain
+    # the queue drained to 5 ms; goodput over the last half second (0.1 -> 0.6): 1.38 MB/s
     pace = rule.pace(0.6, 0.005, 690_000)
-    assert rule.capacity == pytest.approx(1.38e6)  # the window's largest: 690 kB in 0.5 s
-    assert pace == pytest.approx(1.38e6 * gain(0.005))  # 1.2: probing
+    assert rule.capacity == pytest.approx(1.5e6)  # the window's largest
+    assert pace == pytest.approx(1.5e6 * gain(0.005))  # 1.2: probing
     pace = rule.pace(0.7, TARGET_S, 750_000)
     assert pace == pytest.approx(rule.capacity)  # at the target: the capacity itself
     # nothing uploading: the capacity is held for the next upload, then forgotten
     assert rule.pace(1.0, None, 800_000) == pytest.approx(rule.capacity)
     assert rule.pace(0.7 + FORGET_S + 0.1, None, 800_000) is None
     assert not rule.pacing and rule.capacity == 0.0
+
+
+def test_goodput_counts_uploading_time_only() -> None:
+    """An upload that starts between two readings is not averaged with the idle time before
+    it, and one resuming after a pause keeps the capacity until it has measured anew."""
+    rule = PaceRule()
+    rule.pace(0.0, None, 0)
+    rule.pace(0.25, None, 0)  # idle readings: nothing to measure from
+    # the upload started just before 0.5; 1 MB/s from then on, the queue past its target
+    assert rule.pace(0.5, 0.05, 10_000) is None  # no goodput yet: not paced
+    rule.pace(0.75, 0.06, 260_000)
+    assert rule.capacity == pytest.approx(1e6)  # 250 kB in 0.25 s, not 260 kB in 0.75 s
+    assert rule.pacing
+    rule.pace(1.0, None, 510_000)  # a pause
+    rule.pace(5.0, None, 510_000)
+    pace = rule.pace(5.05, 0.03, 515_000)  # uploading again, the old goodput long gone
+    assert rule.capacity == pytest.approx(1e6)  # kept, not read off 0.05 s nor lost
+    assert pace == pytest.approx(1e6 * gain(0.03))
+    rule.pace(5.3, 0.03, 765_000)
+    assert rule.capacity == pytest.approx(1e6)  # measured anew: 250 kB in 0.25 s
 
 
 def test_the_gain_against_the_statement_and_a_floor_under_the_pace() -> None:

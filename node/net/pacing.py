@@ -23,6 +23,11 @@ ideas:
   summed over the node's connections) of the last ``WINDOW_S`` seconds is the uplink's
   capacity ``C``. (The kernel's own ``delivery_rate`` read 20 times the bottleneck behind a
   token bucket, acknowledgements arriving in bursts; goodput over half a second does not.)
+  Goodput is measured over uploading time only: a reading with nothing uploading starts
+  the measurement afresh, so an upload that begins between two readings is not averaged
+  with the idle time before it (which read a 1 Mbit/s uplink as 0.4 when a pipeline's
+  uploads came and went). While no goodput of the last ``WINDOW_S`` is at hand (an upload
+  resuming after a pause), ``C`` stays what it was.
   The node paces at ``C * gain``, with ``gain = 1 + (TARGET_S - delay) / DRAIN_S`` held
   within [``MIN_GAIN``, ``MAX_GAIN``]: above ``C`` while the queue is shorter than
   ``TARGET_S`` (probing for more), below it while the queue is longer (draining it within
@@ -78,7 +83,8 @@ UPLOADING_BYTES = 64 * 1024
 MIN_RATE = 64 * 1024
 """The least pace, bytes a second: a stalled measurement must not stop uploads."""
 TICK_S = 0.05
-"""How often the sockets are read while anything is paced or uploading."""
+"""How often the sockets are read while anything is paced or uploading (so that an upload's
+goodput is measured from soon after it starts)."""
 IDLE_TICK_S = 0.25
 
 
@@ -148,25 +154,30 @@ class PaceRule:
         self._goodput: deque[tuple[float, float]] = deque()
         """(time, goodput) over the last ``WINDOW_S``: the capacity's window."""
         self.pacing = False
+        self.uploading = False
+        """Whether the last reading saw an upload."""
         self.last_upload = float("-inf")
         self.delay_s = 0.0
 
     def pace(self, now: float, delay_s: float | None, acked: int) -> float | None:
-        self._acked.append((now, acked))
-        while len(self._acked) > 2 and now - self._acked[1][0] >= GOODPUT_S:
-            self._acked.popleft()
-        if delay_s is None:
+        self.uploading = delay_s is not None
+        if delay_s is None:  # the goodput measured next starts with the next upload
+            self._acked.clear()
             if self.pacing and now - self.last_upload > FORGET_S:
                 self.pacing, self.capacity = False, 0.0
                 self._goodput.clear()
             return max(MIN_RATE, self.capacity) if self.pacing else None
+        self._acked.append((now, acked))
+        while len(self._acked) > 2 and now - self._acked[1][0] >= GOODPUT_S:
+            self._acked.popleft()
         self.last_upload, self.delay_s = now, delay_s
         (t0, a0) = self._acked[0]
         if now - t0 >= GOODPUT_S / 2:
             self._goodput.append((now, (acked - a0) / (now - t0)))
         while self._goodput and now - self._goodput[0][0] > WINDOW_S:
             self._goodput.popleft()
-        self.capacity = max((g for _, g in self._goodput), default=0.0)
+        if self._goodput:
+            self.capacity = max(g for _, g in self._goodput)
         if not self.pacing:
             if delay_s <= TARGET_S or not self._goodput:
                 return None
@@ -257,14 +268,15 @@ class UplinkPacer:
             self._caps[id(sock)] = rate
 
     async def run(self) -> None:
-        """Read and pace, every ``TICK_S`` while a pace is held, else every ``IDLE_TICK_S``
-        (and at once when a socket is added)."""
+        """Read and pace, every ``TICK_S`` while a pace is held or anything uploads, else
+        every ``IDLE_TICK_S`` (and at once when a socket is added)."""
         loop = asyncio.get_running_loop()
         while True:
             self.tick(loop.time())
             self._wake.clear()
             try:
-                wait = TICK_S if self.total_pace is not None or self._caps else IDLE_TICK_S
+                busy = self.total_pace is not None or self._caps or self.rule.uploading
+                wait = TICK_S if busy else IDLE_TICK_S
                 await asyncio.wait_for(self._wake.wait(), wait)
             except TimeoutError:
                 pass
