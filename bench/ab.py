@@ -82,10 +82,22 @@ print(json.dumps({"startup_ready_s": ready_s, "startup_step2_s": step2_s}))
 
 
 def short_rev(rev: str = "HEAD") -> str:
-    """``rev`` as a short commit id (of this checkout's repository)."""
-    return subprocess.run(
+    """``rev`` as a short commit id (of this checkout's repository); ``HEAD`` with a ``+``
+    when the node's code (``node/``, ``swarm/``, ``protocol/``) has uncommitted changes, so
+    that a run of them is not taken for the commit's."""
+    short = subprocess.run(
         ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
+    if rev == "HEAD":
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "node", "swarm", "protocol"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        short += "+" if changed else ""
+    return short
 
 
 @contextmanager

@@ -18,7 +18,10 @@ the eval loss once ``--tokens`` are spent (``bench.wan.run``).
 
 Where the default stops working: ``--floor 1 0.5`` runs the defaults (adaptive window) once
 at each of these thinner uplinks, added under ``floor`` with the commit it ran (earlier
-commits' runs stay, to be read side by side).
+commits' runs stay, to be read side by side). With ``--against REV`` each floor uplink is
+run on that commit too (checked out as a worktree, ``bench.ab.worktrees``), before this
+checkout, in the same sitting. Each floor run records what the block node's pacer measured
+of its uplink: when it first engaged (its log line) and every 5 s after.
 
 On the thin uplink, for each policy in turn, ``--rounds`` rounds: from the moment the block
 node serves, the head's counters for ``--measure-s`` seconds (microbatches completed, re-issued, dropped), its
@@ -32,7 +35,9 @@ Usage: ``python -m bench.thin_uplink [--rounds 2] [--mbit 2] [--measure-s 120]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.ab import short_rev
+from bench.ab import short_rev, worktrees
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("fixed", "adaptive")
@@ -62,12 +67,16 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
         t0 = time.monotonic()
         sizes: list[int] = []
         timeline: list[tuple[float, int]] = []
+        pacer: list[float] = []
         while (elapsed := time.monotonic() - t0) < measure_s:
             time.sleep(min(5.0, measure_s - elapsed))
             st = status_of(public)
             sizes.append(int(st["window"]["size"]))
             done = int(st["counters"].get("microbatches_completed", 0))
             timeline.append((round(time.monotonic() - t0, 1), done))
+            pacing = status_of(natted)["tcp_congestion"]["pacing"] or {}
+            if pacing.get("pacing"):
+                pacer.append(round(pacing["capacity_bytes_per_s"] * 8 / 1e6, 2))
         elapsed = time.monotonic() - t0
         final = status_of(public)
         counters = final["counters"]
@@ -83,7 +92,32 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
         "window_mean": statistics.fmean(sizes),
         "codec": wire["codec"],
         "timeline": timeline,
+        "pacer_first_mbit": first_pace(logs / "natted.log"),
+        "pacer_mbit": pacer,
     }
+
+
+def first_pace(log: Path) -> float | None:
+    """The uplink (Mbit/s) the node's pacer measured when it first engaged, from its log."""
+    found = re.search(r"pacing uploads at about ([\d.]+) Mbit/s", log.read_text(errors="replace"))
+    return float(found.group(1)) if found else None
+
+
+def floor_runs(
+    uplinks: list[float], measure_s: float, against: str | None, logs: Path
+) -> list[dict[str, Any]]:
+    """The default at each of ``uplinks``, on ``against``'s checkout first when given, then
+    on this one; each run names its commit."""
+    runs = []
+    with contextlib.ExitStack() as stack:
+        trees = stack.enter_context(worktrees({"old": against})) if against else {}
+        for mbit in uplinks:
+            for name, (commit, tree) in [*trees.items(), ("new", (short_rev(), None))]:
+                with contextlib.chdir(tree) if tree else contextlib.nullcontext():
+                    run = live(None, mbit, measure_s, logs / f"floor-{mbit:g}-{name}")
+                run["commit"] = commit
+                runs.append(run)
+    return runs
 
 
 def fat_links(seeds: int, tokens: int, logs: Path) -> list[dict[str, Any]]:
@@ -156,6 +190,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=[],
         help="thinner uplinks (Mbit/s) to run the adaptive default at, once each",
     )
+    p.add_argument(
+        "--against", metavar="REV", help="run each floor uplink on this commit too, first"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="thin_uplink-"))
@@ -177,14 +214,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{run['retried']} re-issued, {run['dropped']} dropped, window "
                 f"{run['window_mean']:.1f} on average, codec {run['codec']}"
             )
-    commit = short_rev()
-    floor = [live(None, mbit, args.measure_s, logs / f"floor-{mbit:g}") for mbit in args.floor]
+    floor = floor_runs(args.floor, args.measure_s, args.against, logs)
     for run in floor:
-        run["commit"] = commit
         say(
             f"adaptive at {run['mbit']:g} Mbit/s: {run['completed']} microbatches in "
             f"{run['measure_s']:.0f} s, {run['retried']} re-issued, {run['dropped']} dropped, "
-            f"window {run['window_mean']:.1f}, codec {run['codec']}"
+            f"window {run['window_mean']:.1f}, codec {run['codec']}, pacer first read "
+            f"{run['pacer_first_mbit']} Mbit/s ({run['commit']})"
         )
     floor = previous.get("floor", []) + floor  # each run names its commit: kept side by side
     summary: dict[str, Any] = {
