@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 THIN_WARNING_EVERY_S = 300.0
 """How often a node whose uplink is too thin for its microbatches says so."""
+THIN_HOLD_S = 30.0
+"""How long the uplink must have been too thin before the node says so in its log: at the
+start a hop that timed out bounds the rate alone (``CodecChoice.observe_timeout``), and the
+first receivers' reports lift it again where the link is fine (a 2 Mbit/s node was warned
+11 s into a run it then trained through)."""
 
 Send = Callable[[], Awaitable[object]]
 """The network part of a job, run after its computation."""
@@ -125,8 +130,8 @@ class HopSender:
     """Sends finished microbatches onward: to a drawn replica of a stage, or to one peer;
     and says which wire codec they travel in (``codec``: as configured, or with
     ``train.wire_codec = auto`` by the rates its receivers report, ``swarm.wirecodec``), and
-    whether the uplink is too thin for them (``too_thin``: logged, in ``node status`` and
-    the metrics)."""
+    whether the uplink is too thin for them (``too_thin``: in ``node status`` and the
+    metrics, and logged once it has held ``THIN_HOLD_S``)."""
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
@@ -136,6 +141,8 @@ class HopSender:
         self.send_s: float | None = None
         """Seconds the last tensor would take to send at the rate payloads get (None: no
         rate known yet)."""
+        self._thin_since: float | None = None
+        """Since when the uplink has been too thin, without a break (None: it is not)."""
 
     def codec(self, numel: int, job_s: float) -> str:
         """The codec for a tensor of ``numel`` values from a node that computes a job in
@@ -145,7 +152,12 @@ class HopSender:
         rate = self.wire.rate_bytes_s
         if rate is not None:
             self.send_s = payload_bytes(codec, numel) / rate
-            if self.too_thin():
+            now = time.monotonic()
+            if not self.too_thin():
+                self._thin_since = None
+            elif self._thin_since is None:
+                self._thin_since = now
+            elif now - self._thin_since >= THIN_HOLD_S:
                 self._thin_log.log(
                     "thin",
                     logging.WARNING,

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 import torch
 
+from node import pipeline
 from node.display import format_status
 from node.metrics import NodeCollector
 from protocol.frames import join_frame
@@ -189,12 +190,13 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
 
 
 async def test_a_node_whose_uplink_is_too_thin_for_its_microbatches_is_told(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At 0.5 Mbit/s (62,500 B/s) an int8 tensor of the tiny model's microbatch takes
     262,656 / 62,500 = 4.2 s to send: within half the 10 s hop deadline. At 0.4 Mbit/s it
-    takes 5.3 s: two in flight miss it, and the node says so, in its log (once per
-    ``THIN_WARNING_EVERY_S``) and in ``node status``."""
+    takes 5.3 s: two in flight miss it, and the node says so in ``node status``, and in its
+    log once that has held ``THIN_HOLD_S`` (then once per ``THIN_WARNING_EVERY_S``)."""
+    monkeypatch.setattr(pipeline, "THIN_HOLD_S", 0.5)
     node = await start_node()
     try:
         node.hops.wire.observe(62_500.0)
@@ -204,9 +206,20 @@ async def test_a_node_whose_uplink_is_too_thin_for_its_microbatches_is_told(
         for _ in range(40):  # reports of 0.4 Mbit/s bring the average down to it
             node.hops.wire.observe(50_000.0)
         assert node.hops.codec(NUMEL, 0.05) == "int8"
-        node.hops.codec(NUMEL, 0.05)
         wire = node.status()["wire"]
         assert wire["send_s"] == 5.3 and wire["too_thin"]
+        assert "too thin" not in caplog.text  # not for long yet: a report may lift it
+        node.hops.wire.observe(1e6)  # one report of a fast link does
+        node.hops.codec(NUMEL, 0.05)
+        assert not node.status()["wire"]["too_thin"]
+        await asyncio.sleep(0.6)
+        node.hops.wire.observe_timeout(500_000, 10.0)  # a timeout: 0.4 Mbit/s again
+        node.hops.codec(NUMEL, 0.05)
+        assert node.status()["wire"]["too_thin"]
+        assert "too thin" not in caplog.text  # the hold starts again from here
+        await asyncio.sleep(0.6)
+        node.hops.codec(NUMEL, 0.05)
+        node.hops.codec(NUMEL, 0.05)
         assert caplog.text.count("uplink is too thin") == 1
         assert "0.40 Mbit/s, so one int8 tensor takes 5.3 s" in caplog.text
         assert "uplink too thin: one tensor takes 5.3 s" in format_status(node.status())
