@@ -19,6 +19,7 @@ Writes ``bench/results/ab.json``. Usage: ``python -m bench.ab BEFORE [AFTER] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,24 @@ def worktrees(revs: dict[str, str]) -> Iterator[dict[str, tuple[str, Path]]]:
         finally:
             for _, tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+
+
+@contextmanager
+def this_and(against: str | None) -> Iterator[list[tuple[str, Path | None]]]:
+    """The checkouts a side-by-side run compares: ``against`` checked out as a worktree,
+    first, when given, then this one; ``(short commit id, tree)`` pairs, the tree None for
+    this checkout. Run each one's nodes ``inside`` its tree."""
+    if against is None:
+        yield [(short_rev(), None)]
+        return
+    with worktrees({"old": against}) as trees:
+        yield [trees["old"], (short_rev(), None)]
+
+
+def inside(tree: Path | None) -> AbstractContextManager[object]:
+    """Where nodes started now run ``tree``'s code (``python -m node`` imports from the
+    working directory); None: this checkout's."""
+    return contextlib.chdir(tree) if tree is not None else contextlib.nullcontext()
 
 
 def measure(tree: Path) -> dict[str, Any]:

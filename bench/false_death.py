@@ -21,7 +21,7 @@ peer is counted out only if it has not spoken to us since, nor in the last two h
   answered, as from a host that vanished); the seconds until stage 1's node counts stage 2
   empty (``node status``: ``recovery.empty_stages``).
 
-The older commit is checked out as a git worktree (``bench.ab.worktrees``); its nodes run
+The older commit is checked out as a git worktree (``bench.ab.this_and``); its nodes run
 with that directory as their working directory. Writes ``bench/results/false_death.json``.
 
 Usage: ``python -m bench.false_death OLD_COMMIT [--mbit 2] [--measure-s 120]`` (as root).
@@ -30,7 +30,6 @@ Usage: ``python -m bench.false_death OLD_COMMIT [--mbit 2] [--measure-s 120]`` (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import statistics
@@ -40,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.ab import ROOT, short_rev, worktrees
+from bench.ab import inside, this_and
 from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 
@@ -137,12 +136,13 @@ def main() -> None:
     ap.add_argument("--thin-rounds", type=int, default=1, help="0: keep the recorded runs")
     ap.add_argument("--detect-rounds", type=int, default=3, help="0: keep the recorded runs")
     args = ap.parse_args()
-    with worktrees({"old": args.old}) as old:
-        compare(args, {"old": old["old"], "new": (short_rev(), ROOT)})
+    with this_and(args.old) as (old, new):
+        compare(args, {"old": old, "new": new})
 
 
-def compare(args: argparse.Namespace, trees: dict[str, tuple[str, Path]]) -> None:
-    """Every part for the old and the new code (``{label: (commit, checkout)}``) in turn."""
+def compare(args: argparse.Namespace, trees: dict[str, tuple[str, Path | None]]) -> None:
+    """Every part for the old and the new code (``{label: (commit, checkout)}``, as
+    ``bench.ab.this_and`` gives them) in turn."""
     path = RESULTS / "false_death.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     out: dict[str, Any] = {
@@ -157,7 +157,7 @@ def compare(args: argparse.Namespace, trees: dict[str, tuple[str, Path]]) -> Non
                 for label, (_, tree) in trees.items():
                     say(f"{label}: {window} window behind {args.mbit:g} Mbit/s")
                     logs = Path(tmp) / f"thin-{rnd}-{window}-{label}"
-                    with contextlib.chdir(tree):
+                    with inside(tree):
                         run = thin(window, args.mbit, args.measure_s, logs)
                     run.update(code=label, round=rnd)
                     out["thin"].append(run)
@@ -166,7 +166,7 @@ def compare(args: argparse.Namespace, trees: dict[str, tuple[str, Path]]) -> Non
             for how in ("kill", "freeze"):
                 for label, (_, tree) in trees.items():
                     say(f"{label}: stage 2 {how}")
-                    with contextlib.chdir(tree):
+                    with inside(tree):
                         run = detection(how, Path(tmp) / f"detect-{rnd}-{how}-{label}")
                     run.update(code=label, round=rnd)
                     out["detection"].append(run)

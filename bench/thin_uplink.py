@@ -35,9 +35,7 @@ Usage: ``python -m bench.thin_uplink [--rounds 2] [--mbit 2] [--measure-s 120]``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -45,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.ab import short_rev, worktrees
+from bench.ab import inside, this_and
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("fixed", "adaptive")
@@ -59,7 +57,7 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
     """One swarm with ``train.window = window`` on the head (None: the default), the block
     node behind an ``mbit`` uplink; the nodes' logs in ``logs`` (``head.log``,
     ``natted.log``)."""
-    from bench.uplink_live import natted_swarm
+    from bench.uplink_live import first_pace, natted_swarm
     from tests.test_nat import status_of
 
     window_setting = () if window is None else (f"train.window={window}",)
@@ -97,24 +95,17 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
     }
 
 
-def first_pace(log: Path) -> float | None:
-    """The uplink (Mbit/s) the node's pacer measured when it first engaged, from its log."""
-    found = re.search(r"pacing uploads at about ([\d.]+) Mbit/s", log.read_text(errors="replace"))
-    return float(found.group(1)) if found else None
-
-
 def floor_runs(
     uplinks: list[float], measure_s: float, against: str | None, logs: Path
 ) -> list[dict[str, Any]]:
     """The default at each of ``uplinks``, on ``against``'s checkout first when given, then
     on this one; each run names its commit."""
     runs = []
-    with contextlib.ExitStack() as stack:
-        trees = stack.enter_context(worktrees({"old": against})) if against else {}
+    with this_and(against) as checkouts:
         for mbit in uplinks:
-            for name, (commit, tree) in [*trees.items(), ("new", (short_rev(), None))]:
-                with contextlib.chdir(tree) if tree else contextlib.nullcontext():
-                    run = live(None, mbit, measure_s, logs / f"floor-{mbit:g}-{name}")
+            for commit, tree in checkouts:
+                with inside(tree):
+                    run = live(None, mbit, measure_s, logs / f"floor-{mbit:g}-{commit}")
                 run["commit"] = commit
                 runs.append(run)
     return runs

@@ -9,14 +9,20 @@ turn for ``--rounds`` rounds. Once the swarm trains, the NATed host times a smal
 (``GET /status`` of the head) every 0.5 s for ``--probe-s`` seconds, through the router's
 queue that the node's uploads (its outputs and gradients, and its relay link) fill, and the
 head counts the microbatches completed meanwhile. Writes ``bench/results/uplink_live.json``.
+With ``--against REV`` each round runs that commit first (a worktree, ``bench.ab.this_and``),
+then this checkout, and writes ``uplink_live-ab.json``; ``--pacing auto`` leaves out the
+unpaced runs.
 
-Usage: ``python -m bench.uplink_live [--rounds 2] [--mbit 20] [--probe-s 60]`` (as root).
+Usage: ``python -m bench.uplink_live [--rounds 2] [--mbit 20] [--probe-s 60] [--pacing off
+auto] [--against REV]`` (as root).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import re
 import secrets
 import statistics
 import sys
@@ -27,6 +33,8 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench.ab import inside, this_and
 
 if TYPE_CHECKING:
     from tests.netns import Host
@@ -122,10 +130,17 @@ def live(pacing: str, mbit: float, probe_s: float, logs: Path) -> dict[str, Any]
         "probe_p90_ms": answered[int(0.9 * (len(answered) - 1))],
         "probe_max_ms": answered[-1],
         "pacer": st["tcp_congestion"]["pacing"],
+        "pacer_first_mbit": first_pace(logs / "natted.log"),
         "uplink_metrics": sorted(
             line.split(" ")[0] for line in metrics.splitlines() if line.startswith("murmur_uplink")
         ),
     }
+
+
+def first_pace(log: Path) -> float | None:
+    """The uplink (Mbit/s) the node's pacer measured when it first engaged, from its log."""
+    found = re.search(r"pacing uploads at about ([\d.]+) Mbit/s", log.read_text(errors="replace"))
+    return float(found.group(1)) if found else None
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -133,24 +148,36 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mbit", type=float, default=20.0)
     p.add_argument("--probe-s", type=float, default=60.0)
+    p.add_argument(
+        "--pacing", nargs="+", choices=("off", "auto"), default=["off", "auto"], help="in turn"
+    )
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        help="run each round on this commit too, first (written to uplink_live-ab.json)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="uplink_live-"))
     say(f"the nodes' logs: {logs}")
     runs = []
-    for rnd in range(args.rounds):
-        for pacing in ("off", "auto"):
-            run = live(pacing, args.mbit, args.probe_s, logs / f"{rnd}-{pacing}")
-            run["round"] = rnd
-            runs.append(run)
-            say(
-                f"round {rnd + 1}/{args.rounds} pacing {pacing}: small request p50 "
-                f"{run['probe_p50_ms']:.1f} ms, p90 {run['probe_p90_ms']:.1f} ms, max "
-                f"{run['probe_max_ms']:.0f} ms; {run['microbatches_per_s']:.2f} microbatches/s"
-            )
+    with this_and(args.against) as checkouts:
+        for rnd in range(args.rounds):
+            for (commit, tree), pacing in itertools.product(checkouts, args.pacing):
+                with inside(tree):
+                    run = live(pacing, args.mbit, args.probe_s, logs / f"{rnd}-{commit}-{pacing}")
+                run["round"], run["commit"] = rnd, commit
+                runs.append(run)
+                say(
+                    f"round {rnd + 1}/{args.rounds} {commit} pacing {pacing}: small request "
+                    f"p50 {run['probe_p50_ms']:.1f} ms, p90 {run['probe_p90_ms']:.1f} ms, max "
+                    f"{run['probe_max_ms']:.0f} ms; {run['microbatches_per_s']:.2f} "
+                    f"microbatches/s; pacer first read {run['pacer_first_mbit']} Mbit/s"
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"mbit": args.mbit, "probe_s": args.probe_s, "runs": runs}
-    (args.out / "uplink_live.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "uplink_live-ab.json" if args.against else "uplink_live.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
     return runs
 
 

@@ -26,6 +26,10 @@ def test_the_default_window_trains_through_a_2_mbit_uplink(tmp_path: Path) -> No
     assert run["window"] == "adaptive"  # the default
     assert run["completed"] >= 5, run
     assert run["dropped"] == 0, run
+    # the block node's pacer read the uplink when it first engaged, not the goodput of an
+    # upload averaged with the idle time before it (0.5 to 0.9 Mbit/s before that was fixed)
+    assert run["pacer_first_mbit"] is not None, run
+    assert 0.6 < run["pacer_first_mbit"] / 2 < 1.5, run
     # the latter half of the run trained too: not a burst at the start and then a stall
     timeline = run["timeline"]
     assert timeline[-1][1] > timeline[len(timeline) // 2 - 1][1], timeline
