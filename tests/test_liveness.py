@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -73,5 +74,28 @@ async def test_a_peer_whose_hops_time_out_but_who_speaks_to_us_is_not_counted_de
         await asyncio.sleep(refill_s + 0.1)
         await node.recovery.check()
         assert node.state.stage == 2 and node.state.serving
+    finally:
+        await node.close()
+
+
+async def test_only_a_stage_seen_live_is_counted_as_lost() -> None:
+    """A swarm starting: a replica of stage 2 is known but not serving yet. The stage is
+    empty (a refill may follow, as before), but it lost nothing: it is not counted, and the
+    log says so at info level. Once served and then unresponsive, it is counted."""
+    node = await start_node("0000000000000011")
+    try:
+        replica = PeerRecord(peer_id=SILENT, address="127.0.0.1:9", stage=2, ready=False)
+        node.table.observe(replica, node.clock.now())
+        await node.recovery.check()
+        assert 2 in node.recovery.empty_since and 2 not in node.recovery.seen_live
+        assert node.counters["stages_seen_empty"] == 0
+        node.table.observe(replace(replica, ready=True, version=1), node.clock.now())
+        await node.recovery.check()
+        assert 2 not in node.recovery.empty_since and 2 in node.recovery.seen_live
+        node.router.started(SILENT)  # a hop to it fails, and it has not spoken to us
+        node.router.finished(SILENT, False, node.clock.now())
+        await node.recovery.check()
+        assert 2 in node.recovery.empty_since
+        assert node.counters["stages_seen_empty"] == 1
     finally:
         await node.close()

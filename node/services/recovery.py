@@ -81,6 +81,10 @@ class RecoveryService:
         self.in_transit = in_transit
         self.config = ctx.config.recovery
         self.empty_since: dict[int, float] = {}
+        self.seen_live: set[int] = set()
+        """Stages this node has seen with a live replica: only those can lose their last one
+        (counted in ``stages_seen_empty``, logged as a warning); a stage yet to be served is
+        empty too, for a refill, but that is news only at info level."""
         self.recoveries: Counter[str] = Counter()
         self.seconds_sum = 0.0
         self.seconds_count = 0
@@ -208,10 +212,14 @@ class RecoveryService:
         for stage, replicas in live.items():
             if replicas:
                 self.empty_since.pop(stage, None)
+                self.seen_live.add(stage)
             elif stage not in self.empty_since:
                 self.empty_since[stage] = now
-                ctx.counters["stages_seen_empty"] += 1
                 source = "" if ctx.table.covers(stage) else " (by a peer's summary)"
+                if stage not in self.seen_live:  # a swarm starting, a replica on its way
+                    log.info("stage %d has no live replica yet%s", stage, source)
+                    continue
+                ctx.counters["stages_seen_empty"] += 1
                 log.warning("stage %d has no live replica%s", stage, source)
         for stage, since in sorted(self.empty_since.items()):
             if stage == 0 or ctx.stage == 0 or now - since < self.config.refill_wait_s:
