@@ -19,7 +19,7 @@ the eval loss once ``--tokens`` are spent (``bench.wan.run``).
 Where the default stops working: ``--floor 1 0.5`` runs the defaults (adaptive window) once
 at each of these thinner uplinks, added under ``floor`` with the commit it ran (earlier
 commits' runs stay, to be read side by side). With ``--against REV`` each floor uplink is
-run on that commit too (checked out as a worktree, ``bench.ab.worktrees``), before this
+run on that commit too (checked out as a worktree, ``bench.ab.this_and``), before this
 checkout, in the same sitting. Each floor run records what the block node's pacer measured
 of its uplink: when it first engaged (its log line) and every 5 s after.
 

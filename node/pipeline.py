@@ -149,29 +149,36 @@ class HopSender:
         ``job_s`` seconds."""
         fixed = self.ctx.config.train.wire_codec
         codec = fixed if fixed != "auto" else self._choose(numel, job_s)
-        rate = self.wire.rate_bytes_s
-        if rate is not None:
-            self.send_s = payload_bytes(codec, numel) / rate
-            now = time.monotonic()
-            if not self.too_thin():
-                self._thin_since = None
-            elif self._thin_since is None:
-                self._thin_since = now
-            elif now - self._thin_since >= THIN_HOLD_S:
-                self._thin_log.log(
-                    "thin",
-                    logging.WARNING,
-                    "this node's uplink is too thin for the swarm's microbatches: its payloads "
-                    "get %.2f Mbit/s, so one %s tensor takes %.1f s to send and two in flight "
-                    "miss a hop's %g s deadline (train.hop_timeout_s); its peers will time out "
-                    "and re-issue its work. Serve from a faster uplink, or keep other "
-                    "uploads off this one",
-                    rate * 8 / 1e6,
-                    codec,
-                    self.send_s,
-                    self.ctx.config.train.hop_timeout_s,
-                )
+        self._watch_uplink(codec, numel)
         return codec
+
+    def _watch_uplink(self, codec: str, numel: int) -> None:
+        """Note how long a ``codec`` tensor of ``numel`` values takes to send at the rate
+        payloads get, and say so in the log once the uplink has been too thin for
+        ``THIN_HOLD_S``."""
+        rate = self.wire.rate_bytes_s
+        if rate is None:
+            return
+        self.send_s = payload_bytes(codec, numel) / rate
+        now = time.monotonic()
+        if not self.too_thin():
+            self._thin_since = None
+        elif self._thin_since is None:
+            self._thin_since = now
+        elif now - self._thin_since >= THIN_HOLD_S:
+            self._thin_log.log(
+                "thin",
+                logging.WARNING,
+                "this node's uplink is too thin for the swarm's microbatches: its payloads "
+                "get %.2f Mbit/s, so one %s tensor takes %.1f s to send and two in flight "
+                "miss a hop's %g s deadline (train.hop_timeout_s); its peers will time out "
+                "and re-issue its work. Serve from a faster uplink, or keep other "
+                "uploads off this one",
+                rate * 8 / 1e6,
+                codec,
+                self.send_s,
+                self.ctx.config.train.hop_timeout_s,
+            )
 
     def too_thin(self) -> bool:
         """Whether one tensor takes more than half a hop's deadline to send: the adaptive
