@@ -220,3 +220,66 @@ async def test_a_pacing_node_governs_its_own_connections_and_those_peers_open_to
     finally:
         await a.close()
         await b.close()
+
+
+class RawSocket:
+    """A socket as the pacer sees it, its ``TCP_INFO`` made by hand (the fields
+    ``tcp_info`` reads, at their offsets in ``struct tcp_info``) and its cap kept."""
+
+    def __init__(self, host: str, srtt_s: float, min_rtt_s: float, outstanding: int) -> None:
+        self.host, self.cap = host, UNPACED
+        self.raw = bytearray(pacing.TCP_INFO_BYTES)
+        segments = outstanding // 1448
+        struct.pack_into("<I4xI", self.raw, 16, 1448, segments)
+        struct.pack_into("<I", self.raw, 68, int(srtt_s * 1e6))
+        struct.pack_into("<Q", self.raw, 120, 0)
+        struct.pack_into("<II", self.raw, 144, outstanding - segments * 1448, int(min_rtt_s * 1e6))
+
+    def fileno(self) -> int:
+        return 3
+
+    def getsockopt(self, level: int, option: int, buflen: int) -> bytes:
+        return bytes(self.raw[:buflen])
+
+    def setsockopt(self, level: int, option: int, value: bytes) -> None:
+        (self.cap,) = struct.unpack("<Q", value)
+
+    def getpeername(self) -> tuple[str, int]:
+        return (self.host, 7070)
+
+
+def test_a_thin_uplinks_queue_reads_full_on_connections_born_into_it() -> None:
+    """As read behind a 0.5 Mbit/s router with a 1 s queue: the relay's WebSocket, opened
+    while the path was idle, knows the 30 ms base; three uploads of 50 kB each, opened once
+    the queue was full, have 0.9 s in their own ``min_rtt``. Before, the uploads read 0.2 s
+    of queue on their own base and counted as idle (under 64 kB), so each was capped at the
+    whole pace: four times the link."""
+    websocket = RawSocket("10.0.0.1", srtt_s=0.03, min_rtt_s=0.03, outstanding=400)
+    uploads = [RawSocket("10.0.0.1", 1.1, 0.9, 50_000) for _ in range(3)]
+    pacer = UplinkPacer()
+    for s in (websocket, *uploads):
+        pacer.govern(s)
+    # a pace held from before: 0.5 Mbit/s measured, paced at it
+    pacer.rule.pacing, pacer.rule.capacity, pacer.rule.last_upload = True, 62_500.0, 0.0
+    pacer.total_pace = 62_500.0
+    pacer.tick(1.0)
+    # 16 kB or more outstanding is an upload at 62.5 kB/s; their queue is 1.1 - 0.03 s
+    assert pacer.rule.delay_s == pytest.approx(1.07)
+    pace = 62_500 * gain(1.07)  # 0.25: a queue that long quarters the pace
+    assert pacer.total_pace == pytest.approx(pace)
+    assert [s.cap for s in uploads] == [int(pace / 3)] * 3
+    assert websocket.cap == int(pace)  # idle: the whole pace, for its next message
+    assert pace > MIN_RATE  # the least pace is below a quarter of a 0.5 Mbit/s uplink
+
+
+def test_the_base_delay_is_the_least_to_a_host_of_the_last_minutes() -> None:
+    bases = pacing.BaseDelays()
+    assert bases.update(0.0, "a", 0.9) == 0.9  # the first reading is the base
+    assert bases.update(1.0, "a", 0.03) == 0.03  # a lower one replaces it
+    assert bases.update(2.0, "a", 0.9) == 0.03  # a higher one does not
+    assert bases.update(2.0, "b", 0.2) == 0.2  # each host its own
+    assert bases.update(3.0, "a", 0.0) == 0.03  # no reading yet: the base as it is
+    later = 1.0 + pacing.BASE_S + 1.0  # the base is too old: the path may have changed
+    assert bases.update(later, "a", 0.05) == 0.05
+    bases.forget_before(2.0 + pacing.BASE_S + 1.0)
+    assert bases.update(later + 1.0, "b", 0.3) == 0.3  # b's was forgotten
