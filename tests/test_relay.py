@@ -150,6 +150,7 @@ async def test_a_relay_that_answered_stays_attached_while_a_silent_candidate_is_
     import node.net.relay as relay_mod
     from node.net.transport import RELAY_PATH
 
+    monkeypatch.setattr(relay_mod, "HEARTBEAT_S", 2.0)  # a short test
     monkeypatch.setattr(relay_mod, "CONNECT_TIMEOUT_S", 4 * relay_mod.HEARTBEAT_S)
     monkeypatch.setattr(relay_mod, "ATTACH_GRACE_S", 2.5 * relay_mod.HEARTBEAT_S)
     h = hub()
@@ -195,6 +196,66 @@ async def test_a_relay_that_answered_stays_attached_while_a_silent_candidate_is_
         for w in held:
             w.close()
         await runner.cleanup()
+
+
+async def test_a_link_the_relay_dropped_is_attached_again_within_seconds() -> None:
+    """A relay drops a link whose pings wait too long (a thin uplink's queue): while the
+    relay is still a live peer the node attaches to it again at its next housekeeping after
+    ``RETRY_LOST_S``, not after ``RETRY_FAILED_S`` (half a minute unreachable, when it is
+    the only relay); one that refuses it is left alone that long."""
+    import asyncio
+
+    from aiohttp import web
+
+    import node.net.relay as relay_mod
+    from node.net.transport import RELAY_PATH
+
+    h = hub()
+    app = web.Application()
+    app.router.add_get(RELAY_PATH, h.handle_attach)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    relay_at = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def serve(header: str | None, frame: bytes, origin: str, firsthand: bool) -> Any:
+        return 200, None, frame[::-1]
+
+    client = relay_mod.RelayClient(
+        peer_id="n" * 16, auth=None, max_frame_bytes=1 << 20, want=1, serve=serve
+    )
+    candidates = [PeerRecord(peer_id="r" * 16, address=relay_at, stage=1, relay_slots=8)]
+    try:
+        assert await client.top_up(candidates)
+        await wait_for_async(lambda: h.attached("n" * 16), 5.0)
+        await h._nodes["n" * 16].ws.close()  # as when its heartbeat gave up on the link
+        await wait_for_async(lambda: not client.addresses, 5.0)
+        assert not await client.top_up(candidates)  # too soon to try it again
+        await asyncio.sleep(relay_mod.RETRY_LOST_S + 0.1)
+        assert await client.top_up(candidates) and client.addresses == [relay_at]
+        await wait_for_async(lambda: h.attached("n" * 16), 5.0)
+        assert await h.exchange("n" * 16, None, b"abc", "127.0.0.1", 2.0) == (200, None, b"cba")
+        h.capacity = 0  # now it refuses: then it is left alone for long
+        await h._nodes["n" * 16].ws.close()
+        await wait_for_async(lambda: not client.addresses, 5.0)
+        await asyncio.sleep(relay_mod.RETRY_LOST_S + 0.1)
+        assert not await client.top_up(candidates)  # tried again, refused
+        h.capacity = 8
+        await asyncio.sleep(relay_mod.RETRY_LOST_S + 0.1)
+        assert not await client.top_up(candidates) and client.addresses == []
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def wait_for_async(cond: Any, timeout_s: float) -> None:
+    import asyncio
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "timed out"
+        await asyncio.sleep(0.02)
 
 
 async def test_a_relay_refuses_a_stale_request_sealed_with_its_own_time() -> None:

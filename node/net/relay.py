@@ -75,8 +75,11 @@ CONNECT_TIMEOUT_S = 5.0
 """Longest attaching to a relay may take (a TCP connection and the WebSocket handshake): a
 candidate that does not answer (a peer behind a NAT announcing a private address) costs no
 more than this."""
-HEARTBEAT_S = 2.0
-"""WebSocket ping interval: a relay that died is noticed within about two of them."""
+HEARTBEAT_S = 6.0
+"""WebSocket ping interval. A ping's answer must come within half of it (aiohttp's rule), and
+crosses the relayed node's uplink, whose queue may hold seconds: at 2 s a 0.5 Mbit/s uplink
+with a 1 s queue lost its relay ten seconds into every upload. A relay that died is noticed
+within one and a half (a closed connection at once)."""
 PROBED = 4
 """Candidate relays a node connects to at once when it needs one; it keeps the best."""
 ATTACH_GRACE_S = 1.0
@@ -84,6 +87,10 @@ ATTACH_GRACE_S = 1.0
 compared with it (by round-trip time and free slots), before they are given up."""
 RETRY_FAILED_S = 30.0
 """How long a node leaves a relay that refused it or could not be reached."""
+RETRY_LOST_S = 2.0
+"""How long a node leaves a relay whose link it held and lost (a peer still live is tried
+again soon: it may be the only one that can relay; one that died is refused and then left
+for ``RETRY_FAILED_S``)."""
 WS_OVERHEAD_BYTES = 4096
 """Room for the WebSocket message's fields around a frame of the largest allowed size."""
 
@@ -463,7 +470,8 @@ class RelayClient:
         connected to, not the relay's word (a dial-back may then be answered)."""
         self.served: Counter[str] = Counter()
         self._links: dict[str, _Link] = {}
-        self._failed: dict[str, float] = {}
+        self._avoid: dict[str, float] = {}
+        """Relays not tried again before a time (``time.monotonic``), by address."""
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         """Link readers and the requests they hand on, held until each ends."""
@@ -499,7 +507,7 @@ class RelayClient:
             if p.relay_slots > 0
             and p.peer_id != self.peer_id
             and p.address not in self._links
-            and now - self._failed.get(p.address, float("-inf")) > RETRY_FAILED_S
+            and now >= self._avoid.get(p.address, float("-inf"))
         ]
         if missing > 0 and fresh:
             fresh.sort(key=lambda p: -p.relay_slots)
@@ -524,7 +532,7 @@ class RelayClient:
             _, pending = await asyncio.wait(pending, timeout=ATTACH_GRACE_S)
         for task in pending:
             task.cancel()
-            self._failed[tasks[task].address] = time.monotonic()
+            self._avoid[tasks[task].address] = time.monotonic() + RETRY_FAILED_S
         await asyncio.gather(*pending, return_exceptions=True)
         return [link for t in tasks if not t.cancelled() and (link := t.result()) is not None]
 
@@ -555,7 +563,7 @@ class RelayClient:
                     receive_timeout=None,
                 )
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            self._failed[relay.address] = time.monotonic()
+            self._avoid[relay.address] = time.monotonic() + RETRY_FAILED_S
             why = str(e) or f"no answer in {CONNECT_TIMEOUT_S:.0f} s"
             log.info("relay %s refused or unreachable: %s", relay.address, why)
             return None
@@ -578,7 +586,7 @@ class RelayClient:
                 task.add_done_callback(self._tasks.discard)
         finally:
             if self._links.get(link.address) is link:  # one in use died (not a spare closed)
-                self._failed[link.address] = time.monotonic()
+                self._avoid[link.address] = time.monotonic() + RETRY_LOST_S
 
     async def _handle(self, link: _Link, data: bytes) -> None:
         try:
