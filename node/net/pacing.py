@@ -13,16 +13,11 @@ The rule (``docs/algorithms.md`` section 12), the daemon's own but built from tw
 ideas:
 
 - **The signal is queueing delay**, as in LEDBAT (RFC 6817, "Low Extra Delay Background
-  Transport"): a connection's smoothed round trip less the base delay to its peer's host
-  is the time its packets wait in queues. The base delay is the least round trip seen to
-  that host by any connection of the last ``BASE_S`` (LEDBAT keeps its base delay per
-  destination over minutes too): a connection opened while the queue was already full
-  has that queue in its own ``min_rtt``, and on a 0.5 Mbit/s uplink with a 1 s queue,
-  connections born into it read 25 ms where the others read a second, so the least delay
-  said "short queue" while every packet waited a second. The uplink's queue is shared by
-  every connection the node has, so the node takes the *least* delay over the connections
-  that are uploading: a queue on one peer's side (its downlink) shows on that connection
-  only and does not throttle the others.
+  Transport"): a connection's smoothed round trip less the least it has seen (the kernel's
+  windowed ``min_rtt``) is the time its packets wait in queues. The uplink's queue is
+  shared by every connection the node has, so the node takes the *least* delay over the
+  connections that are uploading: a queue on one peer's side (its downlink) shows on that
+  connection only and does not throttle the others.
 - **The rate follows the bottleneck's measured delivery rate**, as BBR's does (Cardwell et
   al., ACM Queue 14(5), 2016): the largest goodput (bytes acknowledged over ``GOODPUT_S``,
   summed over the node's connections) of the last ``WINDOW_S`` seconds is the uplink's
@@ -37,10 +32,7 @@ ideas:
   within [``MIN_GAIN``, ``MAX_GAIN``]: above ``C`` while the queue is shorter than
   ``TARGET_S`` (probing for more), below it while the queue is longer (draining it within
   about ``DRAIN_S``). So the queue settles near ``TARGET_S`` and the upload runs at the
-  capacity. The pace is split evenly between the connections that are uploading: those
-  with more unsent or unacknowledged than the pace sends in ``UPLOADING_S`` (at most
-  ``UPLOADING_BYTES``), so that on a thin uplink four 50 kB uploads share the pace rather
-  than each taking all of it.
+  capacity. The pace is split evenly between the connections that are uploading.
 
 Pacing starts only once an upload has pushed the delay past ``TARGET_S``: a node without a
 deep queue on its path is never paced. While nothing uploads, every connection stays capped
@@ -48,8 +40,7 @@ at ``C`` (pacing spaces packets, it does not hold back a small message's first o
 upload starting between two readings cannot burst into the queue; ``FORGET_S`` after the
 last upload the capacity is forgotten and every cap lifted.
 
-Owns: the pacing rule (``PaceRule``, pure, explicit ``now``), the base delay to each peer
-host (``BaseDelays``, pure), reading ``TCP_INFO``
+Owns: the pacing rule (``PaceRule``, pure, explicit ``now``), reading ``TCP_INFO``
 (``tcp_info``), and the sockets it paces (``UplinkPacer``). Does not own the sockets
 (``node.net.transport``, ``node.server``, ``node.net.relay``), or the choice of congestion
 control (``node.net.tcp``, which turns pacing on where BBR is not to be had).
@@ -89,16 +80,8 @@ FORGET_S = 10.0
 """How long after the last upload the capacity is kept for the next."""
 UPLOADING_BYTES = 64 * 1024
 """A connection with this much unsent or unacknowledged counts as uploading."""
-UPLOADING_S = 0.25
-"""While a pace is held, a connection with more outstanding than the pace sends in this long
-is uploading too (on a 0.5 Mbit/s uplink, 16 kB)."""
-MIN_RATE = 8 * 1024
-"""The least pace, bytes a second: a stalled measurement must not stop uploads. Below the
-least uplink times ``MIN_GAIN`` (a 256 kbit/s one): 64 kB/s was above a 0.5 Mbit/s
-uplink, whose queue then stayed full."""
-BASE_S = 300.0
-"""How long the least round trip to a host counts as its base delay (the kernel keeps a
-connection's ``min_rtt`` as long, ``tcp_min_rtt_wlen``)."""
+MIN_RATE = 64 * 1024
+"""The least pace, bytes a second: a stalled measurement must not stop uploads."""
 TICK_S = 0.05
 """How often the sockets are read while anything is paced or uploading (so that an upload's
 goodput is measured from soon after it starts)."""
@@ -122,24 +105,14 @@ class TcpInfo:
         return max(0.0, self.srtt_s - self.min_rtt_s) if self.min_rtt_s > 0 else 0.0
 
     @property
-    def outstanding(self) -> int:
-        """Bytes unsent or unacknowledged."""
-        return self.in_flight + self.unsent
-
-    @property
     def uploading(self) -> bool:
-        return self.outstanding >= UPLOADING_BYTES
-
-    def queueing_over(self, base_s: float) -> float:
-        """The queueing delay over a base delay to the peer's host (``BaseDelays``)."""
-        return max(0.0, self.srtt_s - base_s) if base_s > 0 else self.queueing_s
+        return self.in_flight + self.unsent >= UPLOADING_BYTES
 
 
 class SocketLike(Protocol):
     def fileno(self) -> int: ...
     def getsockopt(self, level: int, option: int, buflen: int) -> bytes: ...
     def setsockopt(self, level: int, option: int, value: bytes) -> None: ...
-    def getpeername(self) -> Any: ...
 
 
 def tcp_info(sock: SocketLike) -> TcpInfo | None:
@@ -164,33 +137,6 @@ def tcp_info(sock: SocketLike) -> TcpInfo | None:
         unsent=unsent,
         acked=acked,
     )
-
-
-class BaseDelays:
-    """The base delay to each peer host: the least round trip any connection to it has
-    shown over the last ``BASE_S`` (pure: explicit ``now``).
-
-    A reading lower than the base, or any reading once the base is ``BASE_S`` old, becomes
-    the base; so the base is the least of the last ``BASE_S`` to ``2 * BASE_S``, and a path
-    that lengthened for good is learnt within that."""
-
-    def __init__(self) -> None:
-        self._base: dict[str, tuple[float, float]] = {}
-        """host -> (least round trip, when it was seen)."""
-
-    def update(self, now: float, host: str, min_rtt_s: float) -> float:
-        """Take a connection's least round trip to ``host``; return the host's base delay."""
-        if min_rtt_s <= 0:
-            return self._base.get(host, (0.0, now))[0]
-        base, when = self._base.get(host, (float("inf"), now))
-        if min_rtt_s <= base or now - when > BASE_S:
-            base, when = min_rtt_s, now
-            self._base[host] = (base, when)
-        return base
-
-    def forget_before(self, now: float) -> None:
-        """Drop the bases older than ``BASE_S``."""
-        self._base = {h: bw for h, bw in self._base.items() if now - bw[1] <= BASE_S}
 
 
 class PaceRule:
@@ -255,9 +201,6 @@ class UplinkPacer:
         """The governed sockets by id (held until closed: ids stay unique)."""
         self._caps: dict[int, int] = {}
         """The cap set on each governed socket, by id (absent: none)."""
-        self._hosts: dict[int, str] = {}
-        """Each governed socket's peer host, by id, once connected."""
-        self.bases = BaseDelays()
         self.total_pace: float | None = None
         self._acked = 0
         """Bytes acknowledged over the governed connections since the pacer began."""
@@ -278,22 +221,12 @@ class UplinkPacer:
         """Read the sockets, apply the rule, set or lift each socket's cap."""
         self._prune()
         read = [(s, tcp_info(s)) for s in self._sockets.values()]
-        least = UPLOADING_BYTES
-        if self.total_pace is not None:  # a thin uplink's uploads are smaller
-            least = min(UPLOADING_BYTES, int(self.total_pace * UPLOADING_S))
-        uploading = {id(s) for s, i in read if i is not None and i.outstanding >= least}
-        self.bases.forget_before(now)
-        delays = []
+        up = [i for _, i in read if i is not None and i.uploading]
         for s, info in read:
-            if info is None:
-                continue
-            self._acked += info.acked - self._last_acked.get(id(s), info.acked)
-            self._last_acked[id(s)] = info.acked
-            host = self._host(s)
-            base = info.min_rtt_s if host is None else self.bases.update(now, host, info.min_rtt_s)
-            if id(s) in uploading:
-                delays.append(info.queueing_over(base))
-        delay = min(delays, default=None)
+            if info is not None:
+                self._acked += info.acked - self._last_acked.get(id(s), info.acked)
+                self._last_acked[id(s)] = info.acked
+        delay = min((i.queueing_s for i in up), default=None)
         was_pacing = self.rule.pacing
         pace = self.total_pace = self.rule.pace(now, delay, self._acked)
         if self.rule.pacing and not was_pacing:
@@ -303,28 +236,18 @@ class UplinkPacer:
                 1e3 * self.rule.delay_s,
                 self.rule.capacity * 8 / 1e6,
             )
-        n_up = len(uploading)
+        n_up = len(up)
         for s, info in read:
             if info is None:
                 continue
             if pace is None:
                 cap = UNPACED
-            elif id(s) in uploading:
+            elif info.uploading:
                 cap = int(pace / n_up)
             else:
                 cap = int(pace)
             if cap != self._caps.get(id(s), UNPACED) and not _close(cap, self._caps.get(id(s))):
                 self._set(s, cap)
-
-    def _host(self, sock: SocketLike) -> str | None:
-        """The socket's peer host, None while it is not connected yet."""
-        host = self._hosts.get(id(sock))
-        if host is None:
-            try:
-                host = self._hosts[id(sock)] = str(sock.getpeername()[0])
-            except (OSError, IndexError, TypeError):
-                return None
-        return host
 
     def _prune(self) -> None:
         """Drop the closed sockets."""
@@ -333,7 +256,6 @@ class UplinkPacer:
             self._sockets = {id(s): s for s in open_}
             self._caps = {k: v for k, v in self._caps.items() if k in self._sockets}
             self._last_acked = {k: v for k, v in self._last_acked.items() if k in self._sockets}
-            self._hosts = {k: v for k, v in self._hosts.items() if k in self._sockets}
 
     def _set(self, sock: SocketLike, rate: int) -> None:
         try:
