@@ -92,6 +92,7 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
         "timeline": timeline,
         "pacer_first_mbit": first_pace(logs / "natted.log"),
         "pacer_mbit": pacer,
+        "relay_attaches": final["relay"].get("attaches", {}).get("ok", 0),
     }
 
 

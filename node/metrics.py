@@ -400,6 +400,15 @@ def _reachability_family(st: dict[str, Any]) -> Iterator[Metric]:
     for outcome, n in {"ok": 0, **relay.get("requests", {})}.items():
         relayed.add_metric([outcome], n)
     yield relayed
+    attaches = CounterMetricFamily(
+        "murmur_relay_attaches",
+        "Nodes that attached to this relay (ok; more than it relays for: their links drop "
+        "and they come back), or were refused, by code (relay_busy, auth_*).",
+        labels=["outcome"],
+    )
+    for outcome, n in {"ok": 0, **relay.get("attaches", {})}.items():
+        attaches.add_metric([outcome], n)
+    yield attaches
 
 
 def _peer_families(st: dict[str, Any]) -> Iterator[Metric]:

@@ -89,6 +89,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_relay_capacity": ("gauge", set()),
     "murmur_relay_bytes": ("counter", {"direction"}),
     "murmur_relay_requests": ("counter", {"outcome"}),
+    "murmur_relay_attaches": ("counter", {"outcome"}),
     "murmur_stage_replicas": ("gauge", {"stage"}),
     "murmur_stage_throughput_samples_per_second": ("gauge", {"stage"}),
     "murmur_loss": ("gauge", set()),
@@ -185,6 +186,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "nodes": ["ab" * 16, "cd" * 16],
             "bytes": {"to_node": 4096, "from_node": 512},
             "requests": {"ok": 30, "relay_busy": 2},
+            "attaches": {"ok": 3, "relay_busy": 1},
         },
         "attn_logit_max": {"0": 11.5, "1": 12.25},
         "steps_skipped": 2,
@@ -367,6 +369,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_round_trip_seconds", kind="mean") == 0.1505
     assert one("murmur_relay_bytes_total", direction="to_node") == 4096
     assert one("murmur_relay_requests_total", outcome="relay_busy") == 2
+    assert one("murmur_relay_attaches_total", outcome="ok") == 3
     assert one("murmur_microbatches_total", outcome="completed") == 90
     assert one("murmur_microbatches_total", outcome="dropped") == 0  # known outcome, zero
     assert one("murmur_microbatches_issued_total") == 100

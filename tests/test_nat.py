@@ -22,6 +22,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -336,3 +337,42 @@ def test_natted_auto_nodes_started_together_take_turns_through_the_relay(
         for out in logs:
             out.close()
         show_logs(tmp_path, names)
+
+
+SINK = """
+import socket
+s = socket.create_server(("0.0.0.0", 9999))
+c, _ = s.accept()
+while c.recv(1 << 16):
+    pass
+"""
+BULK = """
+import socket, sys, time
+for _ in range(50):
+    try:
+        c = socket.create_connection((sys.argv[1], 9999))
+        break
+    except OSError:
+        time.sleep(0.1)
+while True:
+    c.sendall(bytes(1 << 16))
+"""
+
+
+def test_a_relayed_node_keeps_its_relay_while_its_thin_uplinks_queue_is_full(
+    tmp_path: Path,
+) -> None:
+    """Behind a 0.5 Mbit/s uplink with a 1 s queue, kept full by a bulk upload beside the
+    node's own (another program on the volunteer's machine), the answers to the relay's
+    pings wait a second and more. The relay must not take that for a dead link: when the
+    answer had to come within 1 s, the link dropped within seconds, and the node was
+    unreachable until it attached again (then after 30 s)."""
+    from bench.uplink_live import natted_swarm
+
+    with natted_swarm(0.5, tmp_path) as (public, natted):
+        public.popen([sys.executable, "-c", SINK])
+        natted.popen([sys.executable, "-c", BULK, public.address])
+        time.sleep(30)
+        st = status_of(public)["relay"]
+        assert st["attaches"].get("ok") == 1, st  # attached once, never dropped
+        assert len(st["nodes"]) == 1, st

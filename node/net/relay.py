@@ -75,11 +75,12 @@ CONNECT_TIMEOUT_S = 5.0
 """Longest attaching to a relay may take (a TCP connection and the WebSocket handshake): a
 candidate that does not answer (a peer behind a NAT announcing a private address) costs no
 more than this."""
-HEARTBEAT_S = 6.0
+HEARTBEAT_S = 10.0
 """WebSocket ping interval. A ping's answer must come within half of it (aiohttp's rule), and
-crosses the relayed node's uplink, whose queue may hold seconds: at 2 s a 0.5 Mbit/s uplink
-with a 1 s queue lost its relay ten seconds into every upload. A relay that died is noticed
-within one and a half (a closed connection at once)."""
+crosses the relayed node's uplink, whose queue may hold a second and more (and a dropped
+answer waits a retransmission timeout on top): at 2 s, a 0.5 Mbit/s uplink with a 1 s queue
+lost its relay within seconds of a full queue. A relay that died is noticed within one and a
+half (a closed connection at once)."""
 PROBED = 4
 """Candidate relays a node connects to at once when it needs one; it keeps the best."""
 ATTACH_GRACE_S = 1.0
@@ -204,6 +205,7 @@ class RelayHub:
             "nodes": sorted(self._nodes),
             "bytes": dict(self.stats.bytes),
             "requests": dict(self.stats.requests),
+            "attaches": dict(self.stats.attaches),
         }
 
     async def close(self) -> None:
