@@ -134,6 +134,26 @@ def test_the_relay_itself_talks_to_an_attached_peer_over_its_websocket() -> None
     assert route is not None and route.local is not None and route.relays == ()
 
 
+async def serving(h: RelayHub) -> tuple[Any, str]:
+    """``h`` attaching nodes on 127.0.0.1: (its runner, to clean up; its address)."""
+    from aiohttp import web
+
+    from node.net.transport import RELAY_PATH
+
+    app = web.Application()
+    app.router.add_get(RELAY_PATH, h.handle_attach)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def reverse(header: str | None, frame: bytes, origin: str, firsthand: bool) -> Any:
+    """A relayed node's serving, for the tests: the frame reversed."""
+    return 200, None, frame[::-1]
+
+
 async def test_a_relay_that_answered_stays_attached_while_a_silent_candidate_is_tried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -145,31 +165,19 @@ async def test_a_relay_that_answered_stays_attached_while_a_silent_candidate_is_
     for a relay), then left alone a while."""
     import asyncio
 
-    from aiohttp import web
-
     import node.net.relay as relay_mod
-    from node.net.transport import RELAY_PATH
 
     monkeypatch.setattr(relay_mod, "HEARTBEAT_S", 2.0)  # a short test
     monkeypatch.setattr(relay_mod, "CONNECT_TIMEOUT_S", 4 * relay_mod.HEARTBEAT_S)
     monkeypatch.setattr(relay_mod, "ATTACH_GRACE_S", 2.5 * relay_mod.HEARTBEAT_S)
     h = hub()
-    app = web.Application()
-    app.router.add_get(RELAY_PATH, h.handle_attach)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    relay_at = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, relay_at = await serving(h)
     held: list[asyncio.StreamWriter] = []
     silent = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", 0)
     silent_at = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
 
-    async def serve(header: str | None, frame: bytes, origin: str, firsthand: bool) -> Any:
-        return 200, None, frame[::-1]
-
     client = relay_mod.RelayClient(
-        peer_id="n" * 16, auth=None, max_frame_bytes=1 << 20, want=2, serve=serve
+        peer_id="n" * 16, auth=None, max_frame_bytes=1 << 20, want=2, serve=reverse
     )
     candidates = [
         PeerRecord(peer_id="s" * 16, address=silent_at, stage=1, relay_slots=9),
@@ -205,25 +213,13 @@ async def test_a_link_the_relay_dropped_is_attached_again_within_seconds() -> No
     the only relay); one that refuses it is left alone that long."""
     import asyncio
 
-    from aiohttp import web
-
     import node.net.relay as relay_mod
-    from node.net.transport import RELAY_PATH
 
     h = hub()
-    app = web.Application()
-    app.router.add_get(RELAY_PATH, h.handle_attach)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    relay_at = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-    async def serve(header: str | None, frame: bytes, origin: str, firsthand: bool) -> Any:
-        return 200, None, frame[::-1]
+    runner, relay_at = await serving(h)
 
     client = relay_mod.RelayClient(
-        peer_id="n" * 16, auth=None, max_frame_bytes=1 << 20, want=1, serve=serve
+        peer_id="n" * 16, auth=None, max_frame_bytes=1 << 20, want=1, serve=reverse
     )
     candidates = [PeerRecord(peer_id="r" * 16, address=relay_at, stage=1, relay_slots=8)]
     try:
@@ -298,7 +294,7 @@ async def test_a_relay_refuses_a_stale_request_sealed_with_its_own_time() -> Non
         return 200, incoming.seal_reply(frame_digest([ack])), ack
 
     client = RelayClient(
-        peer_id=node_id, auth=node_auth, max_frame_bytes=1 << 20, want=1, serve=serve
+        peer_id=node_id, auth=node_auth, max_frame_bytes=1 << 20, want=1, serve=reverse
     )
     seen: list[tuple[str, float, float, float]] = []
     sender = HttpTransport(Limits(), sender_auth)
