@@ -368,7 +368,11 @@ def test_a_relayed_node_keeps_its_relay_while_its_thin_uplinks_queue_is_full(
     answer had to come within 1 s, the link dropped within seconds, and the node was
     unreachable until it attached again (then after 30 s)."""
     from bench.uplink_live import natted_swarm
+    from tests.netns import netns_available
 
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
     with natted_swarm(0.5, tmp_path) as (public, natted):
         public.popen([sys.executable, "-c", SINK])
         natted.popen([sys.executable, "-c", BULK, public.address])

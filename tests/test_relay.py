@@ -294,7 +294,7 @@ async def test_a_relay_refuses_a_stale_request_sealed_with_its_own_time() -> Non
         return 200, incoming.seal_reply(frame_digest([ack])), ack
 
     client = RelayClient(
-        peer_id=node_id, auth=node_auth, max_frame_bytes=1 << 20, want=1, serve=reverse
+        peer_id=node_id, auth=node_auth, max_frame_bytes=1 << 20, want=1, serve=serve
     )
     seen: list[tuple[str, float, float, float]] = []
     sender = HttpTransport(Limits(), sender_auth)
