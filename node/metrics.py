@@ -191,6 +191,14 @@ def _counter(name: str, doc: str, value: float, stage: str | None = None) -> Cou
     return c
 
 
+def _outcomes(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter by outcome, ``ok`` shown (at 0) before anything happened."""
+    c = CounterMetricFamily(name, doc, labels=["outcome"])
+    for outcome, n in {"ok": 0, **counts}.items():
+        c.add_metric([outcome], n)
+    return c
+
+
 def _num(value: Any) -> float:
     """A status value as a float; None (not measured yet) becomes NaN."""
     return float("nan") if value is None else float(value)
@@ -391,24 +399,18 @@ def _reachability_family(st: dict[str, Any]) -> Iterator[Metric]:
     for direction in ("to_node", "from_node"):
         moved.add_metric([direction], relay.get("bytes", {}).get(direction, 0))
     yield moved
-    relayed = CounterMetricFamily(
+    yield _outcomes(
         "murmur_relay_requests",
         "Requests this node relayed, by outcome: ok or the refusal's code (relay_gone, "
         "relay_busy, timeout, auth_*).",
-        labels=["outcome"],
+        relay.get("requests", {}),
     )
-    for outcome, n in {"ok": 0, **relay.get("requests", {})}.items():
-        relayed.add_metric([outcome], n)
-    yield relayed
-    attaches = CounterMetricFamily(
+    yield _outcomes(
         "murmur_relay_attaches",
         "Nodes that attached to this relay (ok; more than it relays for: their links drop "
         "and they come back), or were refused, by code (relay_busy, auth_*).",
-        labels=["outcome"],
+        relay.get("attaches", {}),
     )
-    for outcome, n in {"ok": 0, **relay.get("attaches", {})}.items():
-        attaches.add_metric([outcome], n)
-    yield attaches
 
 
 def _peer_families(st: dict[str, Any]) -> Iterator[Metric]:

@@ -374,9 +374,12 @@ def test_a_relayed_node_keeps_its_relay_while_its_thin_uplinks_queue_is_full(
     if not ok:
         pytest.skip(why)
     with natted_swarm(0.5, tmp_path) as (public, natted):
-        public.popen([sys.executable, "-c", SINK])
-        natted.popen([sys.executable, "-c", BULK, public.address])
+        sink = public.popen([sys.executable, "-c", SINK])
+        bulk = natted.popen([sys.executable, "-c", BULK, public.address])
         time.sleep(30)
+        # the queue was kept full: the bulk upload is still sending (it exits if it could
+        # not connect), and the sink still receiving
+        assert bulk.poll() is None and sink.poll() is None
         st = status_of(public)["relay"]
         assert st["attaches"].get("ok") == 1, st  # attached once, never dropped
         assert len(st["nodes"]) == 1, st
