@@ -20,7 +20,9 @@ Where the default stops working: ``--floor 1 0.5`` runs the defaults (adaptive w
 at each of these thinner uplinks, added under ``floor`` with the commit it ran (earlier
 commits' runs stay, to be read side by side). With ``--against REV`` each floor uplink is
 run on that commit too (checked out as a worktree, ``bench.ab.this_and``), before this
-checkout, in the same sitting. Each floor run records what the block node's pacer measured
+checkout, in the same sitting. With ``--pacing auto off`` each floor uplink is run with the
+block node's own pacing (``net.uplink_pacing``; ``auto`` engages it on CUBIC) and then
+without it: plain CUBIC. Each floor run records what the block node's pacer measured
 of its uplink: when it first engaged (its log line) and every 5 s after.
 
 On the thin uplink, for each policy in turn, ``--rounds`` rounds: from the moment the block
@@ -53,15 +55,18 @@ def say(text: str) -> None:
     print(f"[thin_uplink {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[str, Any]:
+def live(
+    window: str | None, mbit: float, measure_s: float, logs: Path, pacing: str = "auto"
+) -> dict[str, Any]:
     """One swarm with ``train.window = window`` on the head (None: the default), the block
-    node behind an ``mbit`` uplink; the nodes' logs in ``logs`` (``head.log``,
-    ``natted.log``)."""
+    node behind an ``mbit`` uplink with ``net.uplink_pacing = pacing``; the nodes' logs in
+    ``logs`` (``head.log``, ``natted.log``)."""
     from bench.uplink_live import first_pace, natted_swarm
     from tests.test_nat import status_of
 
     window_setting = () if window is None else (f"train.window={window}",)
-    with natted_swarm(mbit, logs, head_settings=window_setting) as (public, natted):
+    node_settings = (f"net.uplink_pacing={pacing}",)
+    with natted_swarm(mbit, logs, window_setting, node_settings) as (public, natted):
         t0 = time.monotonic()
         sizes: list[int] = []
         timeline: list[tuple[float, int]] = []
@@ -82,6 +87,7 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
     return {
         "window": final["window"]["policy"],
         "mbit": mbit,
+        "pacing": pacing,
         "measure_s": round(elapsed, 1),
         "completed": int(counters.get("microbatches_completed", 0)),
         "microbatches_per_s": int(counters.get("microbatches_completed", 0)) / elapsed,
@@ -97,18 +103,25 @@ def live(window: str | None, mbit: float, measure_s: float, logs: Path) -> dict[
 
 
 def floor_runs(
-    uplinks: list[float], measure_s: float, against: str | None, logs: Path
+    uplinks: list[float],
+    measure_s: float,
+    against: str | None,
+    logs: Path,
+    pacings: tuple[str, ...] = ("auto",),
 ) -> list[dict[str, Any]]:
-    """The default at each of ``uplinks``, on ``against``'s checkout first when given, then
-    on this one; each run names its commit."""
+    """The default at each of ``uplinks``, under each of ``pacings`` in turn
+    (``net.uplink_pacing`` on the block node), on ``against``'s checkout first when given,
+    then on this one; each run names its commit and its pacing."""
     runs = []
     with this_and(against) as checkouts:
         for mbit in uplinks:
-            for commit, tree in checkouts:
-                with inside(tree):
-                    run = live(None, mbit, measure_s, logs / f"floor-{mbit:g}-{commit}")
-                run["commit"] = commit
-                runs.append(run)
+            for pacing in pacings:
+                for commit, tree in checkouts:
+                    with inside(tree):
+                        at = logs / f"floor-{mbit:g}-{pacing}-{commit}"
+                        run = live(None, mbit, measure_s, at, pacing)
+                    run["commit"] = commit
+                    runs.append(run)
     return runs
 
 
@@ -185,6 +198,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--against", metavar="REV", help="run each floor uplink on this commit too, first"
     )
+    p.add_argument(
+        "--pacing",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", "on", "off"),
+        help="the block node's net.uplink_pacing in the floor runs, each in turn",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="thin_uplink-"))
@@ -206,10 +226,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{run['retried']} re-issued, {run['dropped']} dropped, window "
                 f"{run['window_mean']:.1f} on average, codec {run['codec']}"
             )
-    floor = floor_runs(args.floor, args.measure_s, args.against, logs)
+    floor = floor_runs(args.floor, args.measure_s, args.against, logs, tuple(args.pacing))
     for run in floor:
         say(
-            f"adaptive at {run['mbit']:g} Mbit/s: {run['completed']} microbatches in "
+            f"adaptive at {run['mbit']:g} Mbit/s, pacing {run['pacing']}: "
+            f"{run['completed']} microbatches in "
             f"{run['measure_s']:.0f} s, {run['retried']} re-issued, {run['dropped']} dropped, "
             f"window {run['window_mean']:.1f}, codec {run['codec']}, pacer first read "
             f"{run['pacer_first_mbit']} Mbit/s ({run['commit']})"
