@@ -77,9 +77,9 @@ def live(
             sizes.append(int(st["window"]["size"]))
             done = int(st["counters"].get("microbatches_completed", 0))
             timeline.append((round(time.monotonic() - t0, 1), done))
-            pacing = status_of(natted)["tcp_congestion"]["pacing"] or {}
-            if pacing.get("pacing"):
-                pacer.append(round(pacing["capacity_bytes_per_s"] * 8 / 1e6, 2))
+            pacer_now = status_of(natted)["tcp_congestion"]["pacing"] or {}
+            if pacer_now.get("pacing"):
+                pacer.append(round(pacer_now["capacity_bytes_per_s"] * 8 / 1e6, 2))
         elapsed = time.monotonic() - t0
         final = status_of(public)
         counters = final["counters"]
