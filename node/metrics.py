@@ -577,6 +577,11 @@ def _wire_families(wire: dict[str, Any]) -> Iterator[Metric]:
         "1 when a tensor takes over half a hop's deadline to send: two in flight miss it.",
         1.0 if wire.get("too_thin") else 0.0,
     )
+    yield _gauge(
+        "murmur_wire_uplink_waiting",
+        "Uploads waiting for their turn on this node's uplink (a long one goes alone).",
+        float(wire.get("uplink_waiting", 0)),
+    )
     yield _counter(
         "murmur_wire_codec_switches",
         "Times train.wire_codec = auto changed this node's codec.",

@@ -14,7 +14,9 @@ Owns two things every stage role uses the same way:
   home, or a gradient's way back along its path). A send that no replica takes is counted
   as a dropped hop; the head re-issues the microbatch when its deadline passes. It also
   picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
-  rates its receivers put in their acks).
+  rates its receivers put in their acks). Once one upload takes longer than
+  ``TURNS_SEND_S`` at the rate its receivers report, its uploads take the uplink in turns,
+  gradients first (``node.net.uplink``), each turn waited for within the hop's deadline.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
@@ -30,6 +32,7 @@ from typing import Any
 
 from node.context import NodeContext
 from node.logs import RateLimitedLog
+from node.net.uplink import UplinkTurns
 from protocol.messages import Ack, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
 from swarm.window import MIN_SIZE
@@ -52,6 +55,13 @@ Job = Callable[[], Awaitable[Send | None]]
 
 PRIORITY = {"backward": 0, "loss": 1, "forward": 2}
 """Job kinds, most urgent first."""
+
+TURNS_SEND_S = 1.0
+"""Uploads take the uplink in turns (``node.net.uplink``) once one takes longer than this
+at the rate receivers report. Where this node's uplink is the narrow part, turns cost no
+throughput: the first of several ends seconds sooner, and a few that would miss a hop's
+deadline together when shared (four of 2.5 s at the default 10 s) do not. Below a second
+the order hardly matters, and a slow receiver should not hold the others up."""
 
 
 class WorkQueue:
@@ -143,6 +153,7 @@ class HopSender:
         rate known yet)."""
         self._thin_since: float | None = None
         """Since when the uplink has been too thin, without a break (None: it is not)."""
+        self.turns = UplinkTurns()
 
     def codec(self, numel: int, job_s: float) -> str:
         """The codec for a tensor of ``numel`` values from a node that computes a job in
@@ -213,6 +224,7 @@ class HopSender:
             "switches": self.wire.num_switches,
             "send_s": None if self.send_s is None else round(self.send_s, 1),
             "too_thin": self.too_thin(),
+            "uplink_waiting": self.turns.waiting,
         }
 
     async def send_to(self, hop: Hop, msg: Message) -> bool:
@@ -232,6 +244,9 @@ class HopSender:
             error = await self._request(peer.peer_id, peer.address, msg)
             if error is None:
                 return True
+            if error == "uplink_busy":  # logged; another replica is behind the same uplink
+                self.ctx.counters["hops_dropped"] += 1
+                return False
             self.ctx.counters["hop_retries"] += 1
             if error != "busy":
                 tried.add(peer.peer_id)
@@ -256,14 +271,46 @@ class HopSender:
             await asyncio.sleep(0.2)
 
     async def _request(self, peer_id: str, address: str, msg: Message) -> str | None:
-        """Send one hop; ``None`` when the peer accepted it, else the error code."""
+        """Send one hop; ``None`` when the peer accepted it, else the error code. A long
+        upload first waits for its turn on the uplink (``uplink_busy`` if the hop's deadline
+        passes first: the router is not told, the peer did nothing wrong)."""
+        ctx = self.ctx
+        deadline_s = ctx.config.train.hop_timeout_s
+        nbytes = sum(t.nbytes for t in msg.tensors.values())
+        in_turn = self._long(nbytes)
+        t0 = time.monotonic()
+        if in_turn and not await self.turns.acquire(PRIORITY.get(msg.TYPE, 1), deadline_s):
+            ctx.counters["send_failed_uplink_busy"] += 1
+            self._log.log(
+                "uplink_busy",
+                logging.WARNING,
+                "%s to %s not sent: its turn on this node's thin uplink did not come within "
+                "the hop's %g s deadline",
+                msg.TYPE,
+                peer_id[:8],
+                deadline_s,
+            )
+            return "uplink_busy"
+        try:
+            return await self._upload(peer_id, address, msg, deadline_s - (time.monotonic() - t0))
+        finally:
+            if in_turn:
+                self.turns.release()
+
+    def _long(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` take longer than ``TURNS_SEND_S`` at the reported rate."""
+        rate = self.wire.rate_bytes_s
+        return rate is not None and nbytes / rate > TURNS_SEND_S
+
+    async def _upload(
+        self, peer_id: str, address: str, msg: Message, timeout_s: float
+    ) -> str | None:
+        """The request itself, within ``timeout_s``; ``_request``'s result."""
         ctx = self.ctx
         ctx.router.started(peer_id)
         t0 = time.monotonic()
         try:
-            reply = await ctx.transport.request(
-                address, msg, ctx.config.train.hop_timeout_s, peer_id
-            )
+            reply = await ctx.transport.request(address, msg, timeout_s, peer_id)
             ack = expect(reply, Ack)
             self.wire.observe(ack.rate)
         except (TransportError, ValueError) as e:
@@ -275,7 +322,7 @@ class HopSender:
             ctx.counters[f"send_failed_{code}"] += 1
             if code == "timeout":  # the payload got at most its bytes over the deadline
                 nbytes = sum(t.nbytes for t in msg.tensors.values())
-                self.wire.observe_timeout(nbytes, ctx.config.train.hop_timeout_s)
+                self.wire.observe_timeout(nbytes, timeout_s)
             self._log.log(
                 f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e
             )

@@ -108,6 +108,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_wire_codec_switches": ("counter", set()),
     "murmur_wire_send_seconds": ("gauge", set()),
     "murmur_wire_uplink_too_thin": ("gauge", set()),
+    "murmur_wire_uplink_waiting": ("gauge", set()),
     "murmur_sync_info": ("gauge", {"method"}),
     "murmur_outer_steps": ("counter", set()),
     "murmur_sync_rounds": ("counter", {"outcome"}),
@@ -231,6 +232,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "switches": 3,
             "send_s": 0.1,
             "too_thin": False,
+            "uplink_waiting": 2,
         },
         "swarm_time": {"offset_s": -7200.0, "members_measured": 3, "corrections": 1},
         "sync": {
@@ -364,6 +366,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_in_flight_window") == 7
     assert one("murmur_wire_link_bytes_per_second") == 18.4e6 / 8
     assert one("murmur_wire_codec_switches_total") == 3
+    assert one("murmur_wire_uplink_waiting") == 2
     assert one("murmur_wire_info", codec="int8", auto="true") == 1.0
     assert one("murmur_round_trip_seconds", kind="base") == 0.12
     assert one("murmur_round_trip_seconds", kind="mean") == 0.1505

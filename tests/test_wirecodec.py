@@ -162,6 +162,7 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
             "switches": 0,
             "send_s": None,
             "too_thin": False,
+            "uplink_waiting": 0,
         }
         node.hops.wire.observe(2.5e6)  # 20 Mbit/s
         assert node.hops.codec(NUMEL, 0.05) == "int8"
@@ -172,6 +173,7 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
             "switches": 1,
             "send_s": 0.1,  # 262,656 B at 2.5e6 B/s: 0.105 s
             "too_thin": False,
+            "uplink_waiting": 0,
         }
         assert "wire codec int8 (auto: payloads arrive at 20.0 Mbit/s)" in format_status(
             node.status()

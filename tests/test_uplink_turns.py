@@ -1,0 +1,207 @@
+"""Long uploads take a thin uplink in turns, gradients first (``node.net.uplink``), and the
+hop sender uses the turns only for uploads that are long at the rate its receivers report
+(``node.pipeline.HopSender``). The live check is ``bench/thin_uplink.py``'s floor runs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from node.config import resolve_config
+from node.net.uplink import UplinkTurns
+from node.pipeline import TURNS_SEND_S, HopSender
+from protocol.messages import Ack, Backward, Forward, Hop, Message
+from swarm.seams import TransportError
+
+
+async def holders(turns: UplinkTurns, asks: list[tuple[str, int]], hold_s: float) -> list[str]:
+    """Each of ``asks`` (name, priority), queued in that order while the turn is held,
+    holds it for ``hold_s``: the order they got it in."""
+    order: list[str] = []
+
+    async def one(name: str, priority: int) -> None:
+        assert await turns.acquire(priority, 10.0)
+        order.append(name)
+        await asyncio.sleep(hold_s)
+        turns.release()
+
+    assert await turns.acquire(0, 1.0)  # held while the others line up
+    tasks = [asyncio.create_task(one(n, p)) for n, p in asks]
+    await asyncio.sleep(0.01)
+    assert turns.waiting == len(asks)
+    turns.release()
+    await asyncio.gather(*tasks)
+    return order
+
+
+def test_turns_go_by_priority_then_in_the_order_asked() -> None:
+    turns = UplinkTurns()
+    asks = [("out1", 2), ("grad1", 0), ("out2", 2), ("grad2", 0)]
+    order = asyncio.run(holders(turns, asks, 0.001))
+    assert order == ["grad1", "grad2", "out1", "out2"]
+    assert turns.waiting == 0
+
+
+def test_a_waiter_whose_time_runs_out_holds_nothing_and_the_line_goes_on() -> None:
+    async def scenario() -> list[Any]:
+        turns = UplinkTurns()
+        assert await turns.acquire(0, 1.0)
+        late = asyncio.create_task(turns.acquire(0, 0.05))
+        later = asyncio.create_task(turns.acquire(1, 5.0))
+        gave_up = await late
+        turns.release()  # passes over the waiter that left, to the next
+        got = await later
+        turns.release()
+        free = await turns.acquire(0, 0.0)  # nobody holds it: taken at once
+        return [gave_up, got, free]
+
+    assert asyncio.run(scenario()) == [False, True, True]
+
+
+def test_a_waiter_cancelled_as_its_turn_comes_passes_the_turn_on() -> None:
+    async def scenario() -> bool:
+        turns = UplinkTurns()
+        assert await turns.acquire(0, 1.0)
+        first = asyncio.create_task(turns.acquire(0, 5.0))
+        second = asyncio.create_task(turns.acquire(0, 5.0))
+        await asyncio.sleep(0.01)
+        turns.release()  # handed to ``first``...
+        first.cancel()  # ...which is cancelled before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await asyncio.wait_for(second, 1.0)
+
+    assert asyncio.run(scenario())
+
+
+def test_random_holders_never_overlap_and_all_are_served() -> None:
+    """An independent statement of the rule: whatever the mix of priorities, timeouts and
+    hold times, at most one holds the turn at a time, and every waiter either gets it or
+    gives up after its timeout, holding nothing."""
+
+    async def scenario(rng: random.Random) -> tuple[int, int, int]:
+        turns = UplinkTurns()
+        holding = 0
+        most = 0
+        outcomes: Counter[bool] = Counter()
+
+        async def one() -> None:
+            nonlocal holding, most
+            await asyncio.sleep(rng.random() * 0.02)
+            got = await turns.acquire(rng.randrange(3), rng.choice([0.0, 0.005, 1.0]))
+            outcomes[got] += 1
+            if got:
+                holding += 1
+                most = max(most, holding)
+                await asyncio.sleep(rng.random() * 0.004)
+                holding -= 1
+                turns.release()
+
+        await asyncio.gather(*(one() for _ in range(40)))
+        return most, outcomes[True] + outcomes[False], turns.waiting
+
+    for seed in range(5):
+        most, served, waiting = asyncio.run(scenario(random.Random(seed)))
+        assert most == 1 and served == 40 and waiting == 0
+
+
+class SharingTransport:
+    """Requests that take ``nbytes / rate`` seconds each, however many overlap; it notes
+    the most that ran at once and the order they began in."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.running = 0
+        self.most = 0
+        self.began: list[str] = []
+
+    async def request(
+        self, address: str, msg: Message, timeout: float, peer_id: str | None = None
+    ) -> Message:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        self.began.append(msg.TYPE)
+        try:
+            nbytes = sum(t.nbytes for t in msg.tensors.values())
+            if nbytes / self.rate > timeout:
+                await asyncio.sleep(timeout)
+                raise TransportError("timeout", "late")
+            await asyncio.sleep(nbytes / self.rate)
+            return Ack(rate=self.rate)
+        finally:
+            self.running -= 1
+
+
+def sender(transport: SharingTransport, hop_timeout_s: float) -> HopSender:
+    router = SimpleNamespace(started=lambda *a: None, finished=lambda *a, **k: None)
+    ctx = SimpleNamespace(
+        config=resolve_config(overrides={"train.hop_timeout_s": hop_timeout_s}),
+        counters=Counter(),
+        router=router,
+        transport=transport,
+        clock=SimpleNamespace(now=lambda: 0.0),
+    )
+    return HopSender(ctx)  # type: ignore[arg-type]
+
+
+def hop_message(kind: str, nbytes: int) -> Message:
+    x = torch.zeros(nbytes // 4)
+    if kind == "forward":
+        return Forward("mb", target_stage=2, path=[], eval=False, meta={}, tensors={"x": x})
+    return Backward("mb", index=0, path=[], meta={}, tensors={"g": x})
+
+
+HOP = Hop(stage=2, peer_id="peer", address="127.0.0.1:1")
+
+
+async def send_all(
+    hops: HopSender, kinds: list[str], nbytes: int, gap_s: float = 0.005
+) -> list[bool]:
+    """Sends one hop of each of ``kinds``, asked ``gap_s`` apart: whether each was taken."""
+
+    async def one(kind: str, delay: float) -> bool:
+        await asyncio.sleep(delay)
+        return await hops.send_to(HOP, hop_message(kind, nbytes))
+
+    return await asyncio.gather(*(one(k, i * gap_s) for i, k in enumerate(kinds)))
+
+
+def test_long_uploads_go_one_at_a_time_gradients_first_and_short_ones_together() -> None:
+    rate = 1e6  # bytes/s
+    transport = SharingTransport(rate)
+    hops = sender(transport, hop_timeout_s=5.0)
+    hops.wire.observe(rate)
+    nbytes = int(rate * TURNS_SEND_S * 0.2)  # short: all at once
+    assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes)) == [True] * 3
+    assert transport.most == 3
+    transport.most, transport.began = 0, []
+    nbytes = int(rate * TURNS_SEND_S * 1.2)  # long: one at a time
+    sent = asyncio.run(send_all(hops, ["forward", "forward", "backward"], nbytes))
+    assert sent == [True] * 3
+    assert transport.most == 1
+    # the first forward went at once; the gradient, asked for last, went before the other
+    assert transport.began == ["forward", "backward", "forward"]
+    assert hops.turns.waiting == 0 and hops.wire_status()["uplink_waiting"] == 0
+
+
+def test_a_long_upload_whose_turn_misses_the_deadline_is_dropped_and_counted() -> None:
+    rate = 1e6
+    transport = SharingTransport(rate)
+    hops = sender(transport, hop_timeout_s=2.0)
+    hops.wire.observe(rate)
+    nbytes = int(rate * 1.5)  # 1.5 s each
+    sent = asyncio.run(send_all(hops, ["forward", "forward", "backward"], nbytes, 0.05))
+    # the first goes at once and ends at 1.5 s; the gradient, asked last, goes next but has
+    # 0.4 s of its deadline left, so times out at 2.1 s; the second forward's turn never
+    # came within its deadline (2.05 s): it was never sent
+    assert sent == [True, False, False]
+    assert transport.began == ["forward", "backward"]
+    assert hops.ctx.counters["send_failed_uplink_busy"] == 1
+    assert hops.ctx.counters["send_failed_timeout"] == 1
+    assert hops.ctx.counters["hops_dropped"] == 2
