@@ -16,7 +16,8 @@ Owns two things every stage role uses the same way:
   picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
   rates its receivers put in their acks). Once one upload takes longer than
   ``TURNS_SEND_S`` at the rate its receivers report, its uploads take the uplink in turns,
-  gradients first (``node.net.uplink``), each turn waited for within the hop's deadline.
+  gradients first (``node.net.uplink``); one that could not end within the hop's deadline
+  by the time its turn comes is not sent.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
@@ -272,40 +273,49 @@ class HopSender:
 
     async def _request(self, peer_id: str, address: str, msg: Message) -> str | None:
         """Send one hop; ``None`` when the peer accepted it, else the error code. A long
-        upload first waits for its turn on the uplink (``uplink_busy`` if the hop's deadline
-        passes first: the router is not told, the peer did nothing wrong)."""
+        upload first waits for its turn on the uplink, and is not sent (``uplink_busy``; the
+        router is not told, the peer did nothing wrong) if the hop's deadline would pass
+        before it could end: it would only delay the uploads behind it."""
         ctx = self.ctx
         deadline_s = ctx.config.train.hop_timeout_s
         nbytes = sum(t.nbytes for t in msg.tensors.values())
-        in_turn = self._long(nbytes)
+        send_s = self._send_s(nbytes)
         t0 = time.monotonic()
-        if in_turn and not await self.turns.acquire(PRIORITY.get(msg.TYPE, 1), deadline_s):
-            ctx.counters["send_failed_uplink_busy"] += 1
-            self._log.log(
-                "uplink_busy",
-                logging.WARNING,
-                "%s to %s not sent: its turn on this node's thin uplink did not come within "
-                "the hop's %g s deadline",
-                msg.TYPE,
-                peer_id[:8],
-                deadline_s,
-            )
-            return "uplink_busy"
-        try:
-            return await self._upload(peer_id, address, msg, deadline_s - (time.monotonic() - t0))
-        finally:
-            if in_turn:
+        if send_s > TURNS_SEND_S:
+            got = await self.turns.acquire(PRIORITY.get(msg.TYPE, 1), deadline_s)
+            left_s = deadline_s - (time.monotonic() - t0)
+            if not got or send_s > left_s:
+                if got:
+                    self.turns.release()
+                ctx.counters["send_failed_uplink_busy"] += 1
+                self._log.log(
+                    "uplink_busy",
+                    logging.WARNING,
+                    "%s to %s not sent: it takes %.1f s on this node's thin uplink, and "
+                    "%.1f s of the hop's %g s deadline were left when its turn came",
+                    msg.TYPE,
+                    peer_id[:8],
+                    send_s,
+                    max(0.0, left_s) if got else 0.0,
+                    deadline_s,
+                )
+                return "uplink_busy"
+            try:
+                return await self._upload(peer_id, address, msg, nbytes, left_s)
+            finally:
                 self.turns.release()
+        return await self._upload(peer_id, address, msg, nbytes, deadline_s)
 
-    def _long(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` take longer than ``TURNS_SEND_S`` at the reported rate."""
+    def _send_s(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` take at the rate receivers report (0 before any report)."""
         rate = self.wire.rate_bytes_s
-        return rate is not None and nbytes / rate > TURNS_SEND_S
+        return 0.0 if rate is None else nbytes / rate
 
     async def _upload(
-        self, peer_id: str, address: str, msg: Message, timeout_s: float
+        self, peer_id: str, address: str, msg: Message, nbytes: int, timeout_s: float
     ) -> str | None:
-        """The request itself, within ``timeout_s``; ``_request``'s result."""
+        """The request itself, its tensors ``nbytes``, within ``timeout_s``; ``_request``'s
+        result."""
         ctx = self.ctx
         ctx.router.started(peer_id)
         t0 = time.monotonic()
@@ -321,7 +331,6 @@ class HopSender:
             ctx.router.finished(peer_id, False, ctx.clock.now())
             ctx.counters[f"send_failed_{code}"] += 1
             if code == "timeout":  # the payload got at most its bytes over the deadline
-                nbytes = sum(t.nbytes for t in msg.tensors.values())
                 self.wire.observe_timeout(nbytes, timeout_s)
             self._log.log(
                 f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e

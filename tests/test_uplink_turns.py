@@ -190,18 +190,31 @@ def test_long_uploads_go_one_at_a_time_gradients_first_and_short_ones_together()
     assert hops.turns.waiting == 0 and hops.wire_status()["uplink_waiting"] == 0
 
 
-def test_a_long_upload_whose_turn_misses_the_deadline_is_dropped_and_counted() -> None:
+def test_a_long_upload_that_cannot_end_within_its_deadline_is_not_sent() -> None:
+    """Its turn did not come in time, or came with less of the deadline left than the
+    upload takes: it is not sent, so the uploads behind it are not delayed by bytes that
+    arrive too late to count."""
     rate = 1e6
+    nbytes = int(rate * 1.5)  # 1.5 s each
+    transport = SharingTransport(rate)
+    hops = sender(transport, hop_timeout_s=4.0)
+    hops.wire.observe(rate)
+    sent = asyncio.run(send_all(hops, ["forward"] * 3, nbytes))
+    # the first ends at 1.5 s, the second (2.5 s left at its turn) at 3 s; the third's turn
+    # comes with 1 s left
+    assert sent == [True, True, False]
+    assert transport.began == ["forward", "forward"]
+    assert hops.ctx.counters["send_failed_uplink_busy"] == 1
+
     transport = SharingTransport(rate)
     hops = sender(transport, hop_timeout_s=2.0)
     hops.wire.observe(rate)
-    nbytes = int(rate * 1.5)  # 1.5 s each
     sent = asyncio.run(send_all(hops, ["forward", "forward", "backward"], nbytes, 0.05))
-    # the first goes at once and ends at 1.5 s; the gradient, asked last, goes next but has
-    # 0.4 s of its deadline left, so times out at 2.1 s; the second forward's turn never
-    # came within its deadline (2.05 s): it was never sent
+    # the first goes at once and ends at 1.5 s; then the gradient (asked last, but first in
+    # line) has 0.6 s left and the second forward 0.55 s: neither is sent
     assert sent == [True, False, False]
-    assert transport.began == ["forward", "backward"]
-    assert hops.ctx.counters["send_failed_uplink_busy"] == 1
-    assert hops.ctx.counters["send_failed_timeout"] == 1
+    assert transport.began == ["forward"]
+    assert hops.ctx.counters["send_failed_uplink_busy"] == 2
+    assert hops.ctx.counters["send_failed_timeout"] == 0
     assert hops.ctx.counters["hops_dropped"] == 2
+    assert hops.turns.waiting == 0
