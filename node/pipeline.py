@@ -16,8 +16,8 @@ Owns two things every stage role uses the same way:
   picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
   rates its receivers put in their acks). Once one upload takes longer than
   ``TURNS_SEND_S`` at the rate its receivers report, its uploads take the uplink in turns,
-  gradients first (``node.net.uplink``); one that could not end within the hop's deadline
-  by the time its turn comes is not sent.
+  gradients first (``node.net.uplink``); one that waited and could no longer end within the
+  hop's deadline when its turn comes is not sent.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
@@ -273,18 +273,22 @@ class HopSender:
 
     async def _request(self, peer_id: str, address: str, msg: Message) -> str | None:
         """Send one hop; ``None`` when the peer accepted it, else the error code. A long
-        upload first waits for its turn on the uplink, and is not sent (``uplink_busy``; the
-        router is not told, the peer did nothing wrong) if the hop's deadline would pass
-        before it could end: it would only delay the uploads behind it."""
+        upload first waits for its turn on the uplink, and one that waited is not sent
+        (``uplink_busy``; the router is not told, the peer did nothing wrong) if the hop's
+        deadline would pass before it could end: it would only delay the uploads behind it.
+        One that found the uplink free is always sent: the rate that calls an upload long
+        is only measured by sending (a timed-out hop bounds it at its bytes over the
+        deadline, which would otherwise hold every later upload back for good)."""
         ctx = self.ctx
         deadline_s = ctx.config.train.hop_timeout_s
         nbytes = sum(t.nbytes for t in msg.tensors.values())
         send_s = self._send_s(nbytes)
         t0 = time.monotonic()
         if send_s > TURNS_SEND_S:
+            waits = self.turns.held
             got = await self.turns.acquire(PRIORITY.get(msg.TYPE, 1), deadline_s)
             left_s = deadline_s - (time.monotonic() - t0)
-            if not got or send_s > left_s:
+            if not got or (waits and send_s > left_s):
                 if got:
                     self.turns.release()
                 ctx.counters["send_failed_uplink_busy"] += 1

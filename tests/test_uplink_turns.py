@@ -218,3 +218,19 @@ def test_a_long_upload_that_cannot_end_within_its_deadline_is_not_sent() -> None
     assert hops.ctx.counters["send_failed_timeout"] == 0
     assert hops.ctx.counters["hops_dropped"] == 2
     assert hops.turns.waiting == 0
+
+
+def test_an_upload_that_finds_the_uplink_free_is_sent_however_long_it_looks() -> None:
+    """A timed-out hop bounds the rate at its bytes over the deadline, so an upload of that
+    size looks exactly as long as the deadline. Were it skipped, no upload would be sent
+    again and the rate would never be measured anew: one that finds the uplink free goes,
+    and the receiver's report brings the rate back up."""
+    rate = 1e7  # the link is fast again
+    nbytes = 1_000_000
+    transport = SharingTransport(rate)
+    hops = sender(transport, hop_timeout_s=2.0)
+    hops.wire.observe_timeout(nbytes, 2.0)  # 0.5 MB/s: this upload reads as 2 s, the deadline
+    assert asyncio.run(send_all(hops, ["forward"], nbytes)) == [True]
+    assert transport.began == ["forward"]
+    assert hops.wire.rate_bytes_s is not None and hops.wire.rate_bytes_s > nbytes / 2.0
+    assert hops.ctx.counters["send_failed_uplink_busy"] == 0

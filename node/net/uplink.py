@@ -36,6 +36,11 @@ class UplinkTurns:
         self._seq = 0
 
     @property
+    def held(self) -> bool:
+        """Whether an upload holds the turn now (one asking then waits)."""
+        return self._held
+
+    @property
     def waiting(self) -> int:
         """Uploads waiting for their turn now."""
         return sum(1 for _, _, f in self._waiting if not f.done())
