@@ -292,16 +292,20 @@ class HopSender:
                 if got:
                     self.turns.release()
                 ctx.counters["send_failed_uplink_busy"] += 1
+                why = (
+                    f"{max(0.0, left_s):.1f} s of the hop's {deadline_s:g} s deadline were "
+                    "left when its turn came"
+                    if got
+                    else f"its turn did not come within the hop's {deadline_s:g} s deadline"
+                )
                 self._log.log(
                     "uplink_busy",
                     logging.WARNING,
-                    "%s to %s not sent: it takes %.1f s on this node's thin uplink, and "
-                    "%.1f s of the hop's %g s deadline were left when its turn came",
+                    "%s to %s not sent: it takes %.1f s on this node's thin uplink, and %s",
                     msg.TYPE,
                     peer_id[:8],
                     send_s,
-                    max(0.0, left_s) if got else 0.0,
-                    deadline_s,
+                    why,
                 )
                 return "uplink_busy"
             try:
