@@ -17,7 +17,8 @@ Owns two things every stage role uses the same way:
   rates its receivers put in their acks). Once one upload takes longer than
   ``TURNS_SEND_S`` at the rate its receivers report, its uploads take the uplink in turns,
   gradients first (``node.net.uplink``); one that waited and could no longer end within the
-  hop's deadline when its turn comes is not sent.
+  hop's deadline when its turn comes is not sent. Before it knows any rate, its timeable
+  uploads take turns too: the first one alone measures the link.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
@@ -37,7 +38,7 @@ from node.net.uplink import UplinkTurns
 from protocol.messages import Ack, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
 from swarm.window import MIN_SIZE
-from swarm.wirecodec import CodecChoice, payload_bytes
+from swarm.wirecodec import MIN_TIMED_BYTES, CodecChoice, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,14 @@ TURNS_SEND_S = 1.0
 at the rate receivers report. Where this node's uplink is the narrow part, turns cost no
 throughput: the first of several ends seconds sooner, and a few that would miss a hop's
 deadline together when shared (four of 2.5 s at the default 10 s) do not. Below a second
-the order hardly matters, and a slow receiver should not hold the others up."""
+the order hardly matters, and a slow receiver should not hold the others up.
+
+Before any rate is known, every upload of ``MIN_TIMED_BYTES`` or more (one its receiver
+can time) takes a turn as well: the first then crosses the uplink alone and its receiver's
+report, or its timeout, gives the rate the rest are judged by. Sent together, the first
+uploads of a node on a thin uplink all missed their deadline (two bf16 outputs of 8 s each
+at 0.5 Mbit/s), and the node learnt its rate only from their timeouts, 25 s in. On a fast
+link the first turn ends within a round trip and costs the second upload that much once."""
 
 
 class WorkQueue:
@@ -152,6 +160,10 @@ class HopSender:
         self.send_s: float | None = None
         """Seconds the last tensor would take to send at the rate payloads get (None: no
         rate known yet)."""
+        self._own_rate: float | None = None
+        """Bytes/s of this node's last timeable upload by its own clock: its bytes over its
+        whole round trip, so a lower bound of what the payload got. It stands in for the
+        receivers' rate until one reports (a relayed receiver never does)."""
         self._thin_since: float | None = None
         """Since when the uplink has been too thin, without a break (None: it is not)."""
         self.turns = UplinkTurns()
@@ -168,10 +180,10 @@ class HopSender:
         """Note how long a ``codec`` tensor of ``numel`` values takes to send at the rate
         payloads get, and say so in the log once the uplink has been too thin for
         ``THIN_HOLD_S``."""
-        rate = self.wire.rate_bytes_s
-        if rate is None:
+        send_s = self._send_s(payload_bytes(codec, numel))
+        if send_s is None:
             return
-        self.send_s = payload_bytes(codec, numel) / rate
+        self.send_s = send_s
         now = time.monotonic()
         if not self.too_thin():
             self._thin_since = None
@@ -186,9 +198,9 @@ class HopSender:
                 "miss a hop's %g s deadline (train.hop_timeout_s); its peers will time out "
                 "and re-issue its work. Serve from a faster uplink, or keep other "
                 "uploads off this one",
-                rate * 8 / 1e6,
+                payload_bytes(codec, numel) / send_s * 8 / 1e6,
                 codec,
-                self.send_s,
+                send_s,
                 self.ctx.config.train.hop_timeout_s,
             )
 
@@ -275,20 +287,22 @@ class HopSender:
         """Send one hop; ``None`` when the peer accepted it, else the error code. A long
         upload first waits for its turn on the uplink, and one that waited is not sent
         (``uplink_busy``; the router is not told, the peer did nothing wrong) if the hop's
-        deadline would pass before it could end: it would only delay the uploads behind it.
-        One that found the uplink free is always sent: the rate that calls an upload long
-        is only measured by sending (a timed-out hop bounds it at its bytes over the
-        deadline, which would otherwise hold every later upload back for good)."""
+        deadline would pass before it could end (at the rate known when its turn comes): it
+        would only delay the uploads behind it. One that found the uplink free is always
+        sent: the rate that calls an upload long is only measured by sending (a timed-out
+        hop bounds it at its bytes over the deadline, which would otherwise hold every later
+        upload back for good). Before any rate is known, a timeable upload is long."""
         ctx = self.ctx
         deadline_s = ctx.config.train.hop_timeout_s
         nbytes = sum(t.nbytes for t in msg.tensors.values())
         send_s = self._send_s(nbytes)
         t0 = time.monotonic()
-        if send_s > TURNS_SEND_S:
+        if nbytes >= MIN_TIMED_BYTES if send_s is None else send_s > TURNS_SEND_S:
             waits = self.turns.held
             got = await self.turns.acquire(PRIORITY.get(msg.TYPE, 1), deadline_s)
             left_s = deadline_s - (time.monotonic() - t0)
-            if not got or (waits and send_s > left_s):
+            send_s = self._send_s(nbytes)  # the upload ahead may have measured the link
+            if not got or (waits and send_s is not None and send_s > left_s):
                 if got:
                     self.turns.release()
                 ctx.counters["send_failed_uplink_busy"] += 1
@@ -301,10 +315,10 @@ class HopSender:
                 self._log.log(
                     "uplink_busy",
                     logging.WARNING,
-                    "%s to %s not sent: it takes %.1f s on this node's thin uplink, and %s",
+                    "%s to %s not sent: it takes %s on this node's thin uplink, and %s",
                     msg.TYPE,
                     peer_id[:8],
-                    send_s,
+                    "an unmeasured time" if send_s is None else f"{send_s:.1f} s",
                     why,
                 )
                 return "uplink_busy"
@@ -314,10 +328,11 @@ class HopSender:
                 self.turns.release()
         return await self._upload(peer_id, address, msg, nbytes, deadline_s)
 
-    def _send_s(self, nbytes: int) -> float:
-        """Seconds ``nbytes`` take at the rate receivers report (0 before any report)."""
-        rate = self.wire.rate_bytes_s
-        return 0.0 if rate is None else nbytes / rate
+    def _send_s(self, nbytes: float) -> float | None:
+        """Seconds ``nbytes`` take at the rate receivers report, or until one has, at this
+        node's own last timeable upload's; None before either."""
+        rate = self.wire.rate_bytes_s or self._own_rate
+        return None if rate is None else nbytes / rate
 
     async def _upload(
         self, peer_id: str, address: str, msg: Message, nbytes: int, timeout_s: float
@@ -345,5 +360,7 @@ class HopSender:
             )
             return code
         trip_s = time.monotonic() - t0
+        if nbytes >= MIN_TIMED_BYTES and trip_s > 0:
+            self._own_rate = nbytes / trip_s
         ctx.router.finished(peer_id, True, ctx.clock.now(), trip_s, ack.queue, ack.service_rate)
         return None

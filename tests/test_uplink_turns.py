@@ -115,8 +115,10 @@ class SharingTransport:
     """Requests that take ``nbytes / rate`` seconds each, however many overlap; it notes
     the most that ran at once and the order they began in."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, reports: bool = True) -> None:
         self.rate = rate
+        self.reports = reports
+        """Whether the receiver reports the rate in its ack (a relayed one does not)."""
         self.running = 0
         self.most = 0
         self.began: list[str] = []
@@ -133,7 +135,7 @@ class SharingTransport:
                 await asyncio.sleep(timeout)
                 raise TransportError("timeout", "late")
             await asyncio.sleep(nbytes / self.rate)
-            return Ack(rate=self.rate)
+            return Ack(rate=self.rate if self.reports else 0.0)
         finally:
             self.running -= 1
 
@@ -234,3 +236,47 @@ def test_an_upload_that_finds_the_uplink_free_is_sent_however_long_it_looks() ->
     assert transport.began == ["forward"]
     assert hops.wire.rate_bytes_s is not None and hops.wire.rate_bytes_s > nbytes / 2.0
     assert hops.ctx.counters["send_failed_uplink_busy"] == 0
+
+
+def test_before_any_rate_is_known_the_first_upload_measures_the_link_alone() -> None:
+    """A node on a thin uplink that knows no rate yet: three uploads of 3 s each, asked
+    together, would share the link and all miss a 4 s deadline (each would take 9 s). The
+    first goes alone and ends in time; its receiver's report says the others, which waited,
+    could no longer end within theirs, so they are not sent. Sent together, as before this
+    rule, none would arrive."""
+    rate = 1e5
+    nbytes = int(rate * 3.0)
+    transport = SharingTransport(rate)
+    hops = sender(transport, hop_timeout_s=4.0)
+    assert hops.wire.rate_bytes_s is None
+    assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes)) == [True, False, False]
+    assert transport.most == 1 and transport.began == ["forward"]
+    assert hops.ctx.counters["send_failed_uplink_busy"] == 2
+    assert hops.ctx.counters["send_failed_timeout"] == 0
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_on_a_fast_link_only_the_first_uploads_wait_for_the_rate(reports: bool) -> None:
+    """Before any rate is known the first timeable uploads go one at a time; once one has
+    ended, the rate its receiver reported (or, from a relayed receiver that reports none,
+    the rate this node's own clock gave it) calls the next ones short, and they go
+    together."""
+    rate = 1e7
+    nbytes = 200_000  # 20 ms: short at any rate this link gives
+    transport = SharingTransport(rate, reports=reports)
+    hops = sender(transport, hop_timeout_s=5.0)
+    assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
+    assert transport.most == 1  # nothing known: one at a time
+    transport.most = 0
+    assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
+    assert transport.most == 3
+    assert (hops.wire.rate_bytes_s is not None) == reports
+
+
+def test_small_uploads_never_wait_for_the_rate() -> None:
+    """Bodies too small for a receiver to time say nothing of the link: they go at once,
+    however many, before any rate is known."""
+    transport = SharingTransport(1e7)
+    hops = sender(transport, hop_timeout_s=5.0)
+    assert asyncio.run(send_all(hops, ["forward"] * 3, 16_000, gap_s=0.0)) == [True] * 3
+    assert transport.most == 3
