@@ -180,7 +180,8 @@ class HopSender:
         """Note how long a ``codec`` tensor of ``numel`` values takes to send at the rate
         payloads get, and say so in the log once the uplink has been too thin for
         ``THIN_HOLD_S``."""
-        send_s = self._send_s(payload_bytes(codec, numel))
+        nbytes = payload_bytes(codec, numel)
+        send_s = self._send_s(nbytes)
         if send_s is None:
             return
         self.send_s = send_s
@@ -198,7 +199,7 @@ class HopSender:
                 "miss a hop's %g s deadline (train.hop_timeout_s); its peers will time out "
                 "and re-issue its work. Serve from a faster uplink, or keep other "
                 "uploads off this one",
-                payload_bytes(codec, numel) / send_s * 8 / 1e6,
+                nbytes / send_s * 8 / 1e6,
                 codec,
                 send_s,
                 self.ctx.config.train.hop_timeout_s,
@@ -297,7 +298,8 @@ class HopSender:
         nbytes = sum(t.nbytes for t in msg.tensors.values())
         send_s = self._send_s(nbytes)
         t0 = time.monotonic()
-        if nbytes >= MIN_TIMED_BYTES if send_s is None else send_s > TURNS_SEND_S:
+        long = nbytes >= MIN_TIMED_BYTES if send_s is None else send_s > TURNS_SEND_S
+        if long:
             waits = self.turns.held
             got = await self.turns.acquire(PRIORITY.get(msg.TYPE, 1), deadline_s)
             left_s = deadline_s - (time.monotonic() - t0)
