@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -160,10 +161,6 @@ class HopSender:
         self.send_s: float | None = None
         """Seconds the last tensor would take to send at the rate payloads get (None: no
         rate known yet)."""
-        self._own_rate: float | None = None
-        """Bytes/s of this node's last timeable upload by its own clock: its bytes over its
-        whole round trip, so a lower bound of what the payload got. It stands in for the
-        receivers' rate until one reports (a relayed receiver never does)."""
         self._thin_since: float | None = None
         """Since when the uplink has been too thin, without a break (None: it is not)."""
         self.turns = UplinkTurns()
@@ -331,9 +328,9 @@ class HopSender:
         return await self._upload(peer_id, address, msg, nbytes, deadline_s)
 
     def _send_s(self, nbytes: float) -> float | None:
-        """Seconds ``nbytes`` take at the rate receivers report, or until one has, at this
-        node's own last timeable upload's; None before either."""
-        rate = self.wire.rate_bytes_s or self._own_rate
+        """Seconds ``nbytes`` take at the rate payloads get (``self.wire``); None before
+        any rate is known."""
+        rate = self.wire.rate_bytes_s
         return None if rate is None else nbytes / rate
 
     async def _upload(
@@ -347,7 +344,6 @@ class HopSender:
         try:
             reply = await ctx.transport.request(address, msg, timeout_s, peer_id)
             ack = expect(reply, Ack)
-            self.wire.observe(ack.rate)
         except (TransportError, ValueError) as e:
             code = e.code if isinstance(e, TransportError) else "bad_reply"
             if code == "duplicate_microbatch":  # it reached that peer by another route already
@@ -362,7 +358,9 @@ class HopSender:
             )
             return code
         trip_s = time.monotonic() - t0
-        if nbytes >= MIN_TIMED_BYTES and trip_s > 0:
-            self._own_rate = nbytes / trip_s
+        if math.isfinite(ack.rate) and ack.rate > 0:
+            self.wire.observe(ack.rate)
+        else:  # a relayed receiver times nothing: this node's own clock does
+            self.wire.observe_trip(nbytes, trip_s)
         ctx.router.finished(peer_id, True, ctx.clock.now(), trip_s, ack.queue, ack.service_rate)
         return None

@@ -14,7 +14,11 @@ its receivers measure it:
 - the sender keeps a moving average ``r`` of those rates: what its payloads actually get,
   its share of its uplink when several are in flight at once; a request that timed out
   bounds it (``observe_timeout``: its bytes over the timeout), so a link on which no
-  transfer finishes in time still leaves the most precise codec;
+  transfer finishes in time still leaves the most precise codec; an upload whose receiver
+  reports nothing (a relayed one) is timed by the sender's own clock instead
+  (``observe_trip``: its bytes over the whole round trip, a lower bound of the rate), so a
+  node whose receivers are all relayed still learns its rate, and a timeout's bound is
+  lifted again by the uploads that arrive after it, as reports lift it for everyone else;
 - a link keeps up when sending one job's output takes no longer than computing it (the
   pipeline's slowest part sets its pace; SWARM's throughput model counts both): the node
   takes the most precise codec ``k`` of ``CANDIDATES`` whose payload ``n_k`` satisfies
@@ -89,6 +93,15 @@ class CodecChoice:
         self.rate_bytes_s = (
             rate_bytes_s if prev is None else prev + self.ema * (rate_bytes_s - prev)
         )
+
+    def observe_trip(self, nbytes: int, seconds: float) -> None:
+        """An upload of ``nbytes`` whose receiver reported no rate (a relayed one never
+        does) was answered ``seconds`` after it began, by the sender's own clock: its bytes
+        over that round trip enter the average like a report. The round trip holds more
+        than the transfer (a relay's hops, the answer's way back), so this is a lower bound
+        of the rate, and a relayed receiver's sender may take int8 a little sooner than it
+        must. Bodies too small to time say nothing."""
+        self.observe(arrival_rate(nbytes, seconds))
 
     def observe_timeout(self, nbytes: int, seconds: float) -> None:
         """A request carrying ``nbytes`` that had no answer within ``seconds``: its payload

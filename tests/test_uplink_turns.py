@@ -270,7 +270,29 @@ def test_on_a_fast_link_only_the_first_uploads_wait_for_the_rate(reports: bool) 
     transport.most = 0
     assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
     assert transport.most == 3
-    assert (hops.wire.rate_bytes_s is not None) == reports
+    assert hops.wire.rate_bytes_s is not None and hops.wire.rate_bytes_s <= rate
+
+
+def test_a_node_whose_receivers_are_all_relayed_recovers_from_a_timeout() -> None:
+    """A relayed receiver reports no rate. After one hop timed out (a dead receiver on a
+    fast link), its bound made every later bf16 upload look 2 s long: the node took int8
+    and its uploads took turns for good, since only reports ever raised the rate. Timed by
+    its own clock, the uploads that arrive after the timeout bring the rate back up: bf16
+    again, and uploads go together."""
+    rate = 1e7  # 80 Mbit/s
+    numel = 250_000  # bf16: 0.5 MB, 50 ms at this rate; a job computes in 0.2 s
+    transport = SharingTransport(rate, reports=False)
+    hops = sender(transport, hop_timeout_s=2.0)
+    assert hops.codec(numel, job_s=0.2) == "bf16"
+    hops.wire.observe_timeout(2 * numel, 2.0)  # 0.25 MB/s: 2 s a bf16 upload
+    assert hops.codec(numel, job_s=0.2) == "int8"
+    nbytes = numel  # int8 payloads, timed as they arrive
+    for _ in range(8):
+        assert asyncio.run(send_all(hops, ["forward"], nbytes)) == [True]
+    assert hops.codec(numel, job_s=0.2) == "bf16"
+    transport.most = 0
+    assert asyncio.run(send_all(hops, ["forward"] * 3, 2 * numel, gap_s=0.0)) == [True] * 3
+    assert transport.most == 3  # short again: no turns
 
 
 def test_small_uploads_never_wait_for_the_rate() -> None:

@@ -106,6 +106,22 @@ def test_a_timed_out_payload_bounds_the_rate_so_a_link_nothing_crosses_takes_int
     assert fast.choose(NUMEL, compute_s=0.1) == "bf16"
 
 
+def test_an_upload_no_receiver_timed_enters_the_average_by_the_senders_clock() -> None:
+    """A relayed receiver reports nothing; the sender's own clock gives the upload's bytes
+    over its round trip, averaged like a report. It lifts a timeout's bound as reports do
+    (a node whose receivers are all relayed kept the bound, and int8, for good)."""
+    c = CodecChoice()
+    c.observe_trip(MIN_TIMED_BYTES - 1, 0.001)  # too small to time
+    c.observe_trip(BF16, 0.0)
+    assert c.rate_bytes_s is None
+    c.observe_trip(1_000_000, 0.5)
+    assert c.rate_bytes_s == pytest.approx(2e6)
+    c.observe_timeout(BF16, 10.0)
+    assert c.rate_bytes_s == pytest.approx(52_428.8)
+    c.observe_trip(1_000_000, 0.5)
+    assert c.rate_bytes_s == pytest.approx(52_428.8 + 0.3 * (2e6 - 52_428.8))
+
+
 def test_agrees_with_the_rule_stated_independently() -> None:
     """The rule in words: the most precise codec whose payload is sent within one job's
     compute time (within half of it, to move to a more precise codec than the current);
