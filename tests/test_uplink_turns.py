@@ -7,17 +7,20 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from types import SimpleNamespace
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
 import torch
 
 from node.config import resolve_config
+from node.context import NodeContext, NodeState
 from node.net.uplink import UplinkTurns
 from node.pipeline import TURNS_SEND_S, HopSender
 from protocol.messages import Ack, Backward, Forward, Hop, Message
-from swarm.seams import TransportError
+from swarm.peers import PeerTable
+from swarm.routing import Router
+from swarm.seams import MonotonicClock, TransportError
 
 
 async def holders(turns: UplinkTurns, asks: list[tuple[str, int]], hold_s: float) -> list[str]:
@@ -140,16 +143,29 @@ class SharingTransport:
             self.running -= 1
 
 
+def no_tasks(coro: Coroutine[Any, Any, None]) -> None:
+    coro.close()
+    raise AssertionError("a hop sender runs no task of its own")
+
+
 def sender(transport: SharingTransport, hop_timeout_s: float) -> HopSender:
-    router = SimpleNamespace(started=lambda *a: None, finished=lambda *a, **k: None)
-    ctx = SimpleNamespace(
+    """A hop sender on a node context as the daemon builds it, its peers' requests going
+    through ``transport``."""
+    ctx = NodeContext(
         config=resolve_config(overrides={"train.hop_timeout_s": hop_timeout_s}),
-        counters=Counter(),
-        router=router,
+        peer_id="a" * 16,
+        num_stages=3,
+        state=NodeState(stage=1, ready=True, address="127.0.0.1:1"),
+        clock=MonotonicClock(),
+        rng=random.Random(0),
+        table=PeerTable("a" * 16, 30.0, 100),
+        stages=dict,
+        router=Router(random.Random(0)),
         transport=transport,
-        clock=SimpleNamespace(now=lambda: 0.0),
+        counters=Counter(),
+        spawn=no_tasks,
     )
-    return HopSender(ctx)  # type: ignore[arg-type]
+    return HopSender(ctx)
 
 
 def hop_message(kind: str, nbytes: int) -> Message:
