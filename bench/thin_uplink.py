@@ -22,12 +22,15 @@ commits' runs stay, to be read side by side). With ``--against REV`` each floor 
 run on that commit too (checked out as a worktree, ``bench.ab.this_and``), before this
 checkout, in the same sitting. With ``--pacing auto off`` each floor uplink is run with the
 block node's own pacing (``net.uplink_pacing``; ``auto`` engages it on CUBIC) and then
-without it: plain CUBIC. Each floor run records what the block node's pacer measured
+without it: plain CUBIC. With ``--latency-ms L`` every node of a floor run delays what it
+sends by ``L`` ms (``net.inject_latency_s``; this kernel has no netem), so each request's
+round trip is ``2 L`` longer. Each floor run records what the block node's pacer measured
 of its uplink: when it first engaged (its log line) and every 5 s after.
 
 On the thin uplink, for each policy in turn, ``--rounds`` rounds: from the moment the block
-node serves, the head's counters for ``--measure-s`` seconds (microbatches completed, re-issued, dropped), its
-window (sampled every 5 s) and the codec the block node ended with. Writes
+node serves, the head's counters for ``--measure-s`` seconds (microbatches completed,
+re-issued, dropped), its window (sampled every 5 s) and the codec the block node ended
+with. Writes
 ``bench/results/thin_uplink.json`` and ``thin_uplink.png`` (microbatches completed over
 time); ``--rounds 0`` or ``--fat-seeds 0`` keeps that part's recorded runs.
 
@@ -56,17 +59,24 @@ def say(text: str) -> None:
 
 
 def live(
-    window: str | None, mbit: float, measure_s: float, logs: Path, pacing: str = "auto"
+    window: str | None,
+    mbit: float,
+    measure_s: float,
+    logs: Path,
+    pacing: str = "auto",
+    latency_ms: float = 0.0,
 ) -> dict[str, Any]:
     """One swarm with ``train.window = window`` on the head (None: the default), the block
-    node behind an ``mbit`` uplink with ``net.uplink_pacing = pacing``; the nodes' logs in
-    ``logs`` (``head.log``, ``natted.log``)."""
+    node behind an ``mbit`` uplink with ``net.uplink_pacing = pacing``, each node delaying
+    what it sends by ``latency_ms`` (``net.inject_latency_s``: a round trip of twice that);
+    the nodes' logs in ``logs`` (``head.log``, ``natted.log``)."""
     from bench.uplink_live import first_pace, natted_swarm
     from tests.test_nat import status_of
 
-    window_setting = () if window is None else (f"train.window={window}",)
-    node_settings = (f"net.uplink_pacing={pacing}",)
-    with natted_swarm(mbit, logs, window_setting, node_settings) as (public, natted):
+    latency = (f"net.inject_latency_s={latency_ms / 1e3:g}",) if latency_ms else ()
+    head_settings = (*latency, *(() if window is None else (f"train.window={window}",)))
+    node_settings = (f"net.uplink_pacing={pacing}", *latency)
+    with natted_swarm(mbit, logs, head_settings, node_settings) as (public, natted):
         t0 = time.monotonic()
         sizes: list[int] = []
         timeline: list[tuple[float, int]] = []
@@ -88,6 +98,7 @@ def live(
         "window": final["window"]["policy"],
         "mbit": mbit,
         "pacing": pacing,
+        "latency_ms": latency_ms,
         "measure_s": round(elapsed, 1),
         "completed": int(counters.get("microbatches_completed", 0)),
         "microbatches_per_s": int(counters.get("microbatches_completed", 0)) / elapsed,
@@ -108,18 +119,20 @@ def floor_runs(
     against: str | None,
     logs: Path,
     pacings: tuple[str, ...] = ("auto",),
+    latency_ms: float = 0.0,
 ) -> list[dict[str, Any]]:
     """The default at each of ``uplinks``, under each of ``pacings`` in turn
-    (``net.uplink_pacing`` on the block node), on ``against``'s checkout first when given,
-    then on this one; each run names its commit and its pacing."""
+    (``net.uplink_pacing`` on the block node), with ``latency_ms`` one way, on
+    ``against``'s checkout first when given, then on this one; each run names its commit,
+    its pacing and its latency."""
     runs = []
     with this_and(against) as checkouts:
         for mbit in uplinks:
             for pacing in pacings:
                 for commit, tree in checkouts:
                     with inside(tree):
-                        at = logs / f"floor-{mbit:g}-{pacing}-{commit}"
-                        run = live(None, mbit, measure_s, at, pacing)
+                        at = logs / f"floor-{mbit:g}-{pacing}-{latency_ms:g}ms-{commit}"
+                        run = live(None, mbit, measure_s, at, pacing, latency_ms)
                     run["commit"] = commit
                     runs.append(run)
     return runs
@@ -205,6 +218,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=("auto", "on", "off"),
         help="the block node's net.uplink_pacing in the floor runs, each in turn",
     )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="one-way latency every node adds in the floor runs (net.inject_latency_s)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="thin_uplink-"))
@@ -226,10 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{run['retried']} re-issued, {run['dropped']} dropped, window "
                 f"{run['window_mean']:.1f} on average, codec {run['codec']}"
             )
-    floor = floor_runs(args.floor, args.measure_s, args.against, logs, tuple(args.pacing))
+    floor = floor_runs(
+        args.floor, args.measure_s, args.against, logs, tuple(args.pacing), args.latency_ms
+    )
     for run in floor:
         say(
-            f"adaptive at {run['mbit']:g} Mbit/s, pacing {run['pacing']}: "
+            f"adaptive at {run['mbit']:g} Mbit/s, {run['latency_ms']:g} ms, "
+            f"pacing {run['pacing']}: "
             f"{run['completed']} microbatches in "
             f"{run['measure_s']:.0f} s, {run['retried']} re-issued, {run['dropped']} dropped, "
             f"window {run['window_mean']:.1f}, codec {run['codec']}, pacer first read "

@@ -115,32 +115,48 @@ def test_random_holders_never_overlap_and_all_are_served() -> None:
 
 
 class SharingTransport:
-    """Requests that take ``nbytes / rate`` seconds each, however many overlap; it notes
-    the most that ran at once and the order they began in."""
+    """Requests whose bytes take ``nbytes / rate`` seconds each, however many overlap, and
+    whose ack comes ``ack_s`` after the last byte; it notes the most transfers that ran at
+    once, how long two overlapped at most, and the order they began in."""
 
-    def __init__(self, rate: float, reports: bool = True) -> None:
+    def __init__(self, rate: float, reports: bool = True, ack_s: float = 0.0) -> None:
         self.rate = rate
         self.reports = reports
         """Whether the receiver reports the rate in its ack (a relayed one does not)."""
+        self.ack_s = ack_s
         self.running = 0
         self.most = 0
         self.began: list[str] = []
+        self.spans: list[tuple[float, float]] = []
+        """(start, end) of each transfer, by the loop's clock."""
 
     async def request(
         self, address: str, msg: Message, timeout: float, peer_id: str | None = None
     ) -> Message:
+        loop = asyncio.get_running_loop()
+        nbytes = sum(t.nbytes for t in msg.tensors.values())
+        if nbytes / self.rate + self.ack_s > timeout:
+            await asyncio.sleep(timeout)
+            raise TransportError("timeout", "late")
         self.running += 1
         self.most = max(self.most, self.running)
         self.began.append(msg.TYPE)
+        start = loop.time()
         try:
-            nbytes = sum(t.nbytes for t in msg.tensors.values())
-            if nbytes / self.rate > timeout:
-                await asyncio.sleep(timeout)
-                raise TransportError("timeout", "late")
             await asyncio.sleep(nbytes / self.rate)
-            return Ack(rate=self.rate if self.reports else 0.0)
         finally:
             self.running -= 1
+            self.spans.append((start, loop.time()))
+        await asyncio.sleep(self.ack_s)
+        return Ack(rate=self.rate if self.reports else 0.0)
+
+    def overlap_s(self) -> float:
+        """The longest two transfers ran together."""
+        spans = sorted(self.spans)
+        return max(
+            (min(a[1], b[1]) - b[0] for a, b in zip(spans, spans[1:], strict=False)),
+            default=0.0,
+        )
 
 
 def no_tasks(coro: Coroutine[Any, Any, None]) -> None:
@@ -198,11 +214,11 @@ def test_long_uploads_go_one_at_a_time_gradients_first_and_short_ones_together()
     nbytes = int(rate * TURNS_SEND_S * 0.2)  # short: all at once
     assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes)) == [True] * 3
     assert transport.most == 3
-    transport.most, transport.began = 0, []
+    transport.most, transport.began, transport.spans = 0, [], []
     nbytes = int(rate * TURNS_SEND_S * 1.2)  # long: one at a time
     sent = asyncio.run(send_all(hops, ["forward", "forward", "backward"], nbytes))
     assert sent == [True] * 3
-    assert transport.most == 1
+    assert transport.overlap_s() < 0.02
     # the first forward went at once; the gradient, asked for last, went before the other
     assert transport.began == ["forward", "backward", "forward"]
     assert hops.turns.waiting == 0 and hops.wire_status()["uplink_waiting"] == 0
@@ -266,7 +282,7 @@ def test_before_any_rate_is_known_the_first_upload_measures_the_link_alone() -> 
     hops = sender(transport, hop_timeout_s=4.0)
     assert hops.wire.rate_bytes_s is None
     assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes)) == [True, False, False]
-    assert transport.most == 1 and transport.began == ["forward"]
+    assert transport.began == ["forward"]
     assert hops.ctx.counters["send_failed_uplink_busy"] == 2
     assert hops.ctx.counters["send_failed_timeout"] == 0
 
@@ -282,11 +298,34 @@ def test_on_a_fast_link_only_the_first_uploads_wait_for_the_rate(reports: bool) 
     transport = SharingTransport(rate, reports=reports)
     hops = sender(transport, hop_timeout_s=5.0)
     assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
-    assert transport.most == 1  # nothing known: one at a time
+    assert transport.overlap_s() < 0.02  # nothing known: one at a time
     transport.most = 0
     assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
     assert transport.most == 3
     assert hops.wire.rate_bytes_s is not None and hops.wire.rate_bytes_s <= rate
+
+
+def test_a_turn_passes_on_once_its_bytes_are_out_not_when_the_ack_is_back() -> None:
+    """Three uploads of 1.2 s at the known rate, each ack 0.3 s after its last byte. Held
+    until the ack, the uplink would idle 0.3 s between uploads (the third's bytes starting
+    at 3.0 s); passed on when the rate says the bytes are out, they run back to back, the
+    third starting at 2.4 s, and still one at a time. Before any rate is known the first
+    holds its turn until its ack: the link it measures must be its own."""
+    rate = 1e6
+    nbytes = int(rate * 1.2)
+    transport = SharingTransport(rate, ack_s=0.3)
+    hops = sender(transport, hop_timeout_s=10.0)
+    hops.wire.observe(rate)
+    assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
+    starts = sorted(start for start, _ in transport.spans)
+    assert starts[2] - starts[0] == pytest.approx(2.4, abs=0.1)
+    assert transport.overlap_s() < 0.02
+
+    transport = SharingTransport(rate, ack_s=0.3)
+    hops = sender(transport, hop_timeout_s=10.0)
+    assert asyncio.run(send_all(hops, ["forward"] * 2, nbytes, gap_s=0.0)) == [True] * 2
+    (first, second) = sorted(transport.spans)
+    assert second[0] - first[1] == pytest.approx(0.3, abs=0.1)
 
 
 def test_a_node_whose_receivers_are_all_relayed_recovers_from_a_timeout() -> None:
