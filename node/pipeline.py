@@ -342,13 +342,16 @@ class HopSender:
         first upload measures the link alone."""
         released = False
 
-        def release() -> None:
+        def release(early: bool = False) -> None:
             nonlocal released
             if not released:
                 released = True
                 self.turns.release()
+                if early:
+                    self.ctx.counters["uplink_turns_passed_early"] += 1
 
-        timer = None if send_s is None else asyncio.get_running_loop().call_later(send_s, release)
+        loop = asyncio.get_running_loop()
+        timer = None if send_s is None else loop.call_later(send_s, release, True)
         try:
             return await self._upload(peer_id, address, msg, nbytes, timeout_s)
         finally:

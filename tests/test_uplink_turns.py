@@ -320,12 +320,14 @@ def test_a_turn_passes_on_once_its_bytes_are_out_not_when_the_ack_is_back() -> N
     starts = sorted(start for start, _ in transport.spans)
     assert starts[2] - starts[0] == pytest.approx(2.4, abs=0.1)
     assert transport.overlap_s() < 0.02
+    assert hops.ctx.counters["uplink_turns_passed_early"] == 3
 
     transport = SharingTransport(rate, ack_s=0.3)
     hops = sender(transport, hop_timeout_s=10.0)
     assert asyncio.run(send_all(hops, ["forward"] * 2, nbytes, gap_s=0.0)) == [True] * 2
     (first, second) = sorted(transport.spans)
     assert second[0] - first[1] == pytest.approx(0.3, abs=0.1)
+    assert hops.ctx.counters["uplink_turns_passed_early"] == 1  # the second's: a rate known
 
 
 def test_a_node_whose_receivers_are_all_relayed_recovers_from_a_timeout() -> None:
