@@ -93,9 +93,7 @@ def live(
         elapsed = time.monotonic() - t0
         final = status_of(public)
         counters = final["counters"]
-        natted_status = status_of(natted)
-        wire = natted_status["wire"]
-        turns_early = int(natted_status["counters"].get("uplink_turns_passed_early", 0))
+        wire = status_of(natted)["wire"]
     return {
         "window": final["window"]["policy"],
         "mbit": mbit,
@@ -108,7 +106,6 @@ def live(
         "dropped": int(counters.get("microbatches_dropped", 0)),
         "window_mean": statistics.fmean(sizes),
         "codec": wire["codec"],
-        "turns_passed_early": turns_early,
         "timeline": timeline,
         "pacer_first_mbit": first_pace(logs / "natted.log"),
         "pacer_mbit": pacer,
@@ -258,8 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{run['completed']} microbatches in "
             f"{run['measure_s']:.0f} s, {run['retried']} re-issued, {run['dropped']} dropped, "
             f"window {run['window_mean']:.1f}, codec {run['codec']}, pacer first read "
-            f"{run['pacer_first_mbit']} Mbit/s, {run['turns_passed_early']} turns passed on "
-            f"before the ack ({run['commit']})"
+            f"{run['pacer_first_mbit']} Mbit/s ({run['commit']})"
         )
     floor = previous.get("floor", []) + floor  # each run names its commit: kept side by side
     summary: dict[str, Any] = {

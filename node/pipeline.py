@@ -17,9 +17,8 @@ Owns two things every stage role uses the same way:
   rates its receivers put in their acks). Once one upload takes longer than
   ``TURNS_SEND_S`` at the rate its receivers report, its uploads take the uplink in turns,
   gradients first (``node.net.uplink``); one that waited and could no longer end within the
-  hop's deadline when its turn comes is not sent, and a turn passes on once its bytes are
-  out by that rate, not when the ack is back. Before it knows any rate, its timeable
-  uploads take turns too: the first one alone measures the link, its turn held to its ack.
+  hop's deadline when its turn comes is not sent. Before it knows any rate, its timeable
+  uploads take turns too: the first one alone measures the link.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
@@ -322,42 +321,11 @@ class HopSender:
                     why,
                 )
                 return "uplink_busy"
-            return await self._upload_in_turn(peer_id, address, msg, nbytes, left_s, send_s)
-        return await self._upload(peer_id, address, msg, nbytes, deadline_s)
-
-    async def _upload_in_turn(
-        self,
-        peer_id: str,
-        address: str,
-        msg: Message,
-        nbytes: int,
-        timeout_s: float,
-        send_s: float | None,
-    ) -> str | None:
-        """``_upload`` holding the uplink's turn, which passes on once the upload's bytes
-        are out by the rate payloads get (``send_s`` after it began), or when it ends if that
-        comes first. Held until the ack, the uplink would idle a round trip per upload (the
-        last bytes' way to the receiver and its ack's way back): 10 % of a 1 s upload at
-        100 ms. With no rate known (``send_s`` None) the turn is held to the end, so the
-        first upload measures the link alone."""
-        released = False
-
-        def release(early: bool = False) -> None:
-            nonlocal released
-            if not released:
-                released = True
+            try:
+                return await self._upload(peer_id, address, msg, nbytes, left_s)
+            finally:
                 self.turns.release()
-                if early:
-                    self.ctx.counters["uplink_turns_passed_early"] += 1
-
-        loop = asyncio.get_running_loop()
-        timer = None if send_s is None else loop.call_later(send_s, release, True)
-        try:
-            return await self._upload(peer_id, address, msg, nbytes, timeout_s)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            release()
+        return await self._upload(peer_id, address, msg, nbytes, deadline_s)
 
     def _send_s(self, nbytes: float) -> float | None:
         """Seconds ``nbytes`` take at the rate payloads get (``self.wire``); None before

@@ -305,29 +305,18 @@ def test_on_a_fast_link_only_the_first_uploads_wait_for_the_rate(reports: bool) 
     assert hops.wire.rate_bytes_s is not None and hops.wire.rate_bytes_s <= rate
 
 
-def test_a_turn_passes_on_once_its_bytes_are_out_not_when_the_ack_is_back() -> None:
-    """Three uploads of 1.2 s at the known rate, each ack 0.3 s after its last byte. Held
-    until the ack, the uplink would idle 0.3 s between uploads (the third's bytes starting
-    at 3.0 s); passed on when the rate says the bytes are out, they run back to back, the
-    third starting at 2.4 s, and still one at a time. Before any rate is known the first
-    holds its turn until its ack: the link it measures must be its own."""
+def test_a_turn_is_held_until_the_ack_is_back() -> None:
+    """Two uploads of 1.2 s at the known rate, each ack 0.3 s after its last byte: the
+    second's bytes start once the first's ack is back, not as its bytes end (passing the
+    turn on earlier was tried live and trained no more, ``docs/algorithms.md`` section 7)."""
     rate = 1e6
     nbytes = int(rate * 1.2)
     transport = SharingTransport(rate, ack_s=0.3)
     hops = sender(transport, hop_timeout_s=10.0)
     hops.wire.observe(rate)
-    assert asyncio.run(send_all(hops, ["forward"] * 3, nbytes, gap_s=0.0)) == [True] * 3
-    starts = sorted(start for start, _ in transport.spans)
-    assert starts[2] - starts[0] == pytest.approx(2.4, abs=0.1)
-    assert transport.overlap_s() < 0.02
-    assert hops.ctx.counters["uplink_turns_passed_early"] == 3
-
-    transport = SharingTransport(rate, ack_s=0.3)
-    hops = sender(transport, hop_timeout_s=10.0)
     assert asyncio.run(send_all(hops, ["forward"] * 2, nbytes, gap_s=0.0)) == [True] * 2
     (first, second) = sorted(transport.spans)
     assert second[0] - first[1] == pytest.approx(0.3, abs=0.1)
-    assert hops.ctx.counters["uplink_turns_passed_early"] == 1  # the second's: a rate known
 
 
 def test_a_node_whose_receivers_are_all_relayed_recovers_from_a_timeout() -> None:
