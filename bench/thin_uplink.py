@@ -105,6 +105,7 @@ def live(
         "retried": int(counters.get("microbatches_retried", 0)),
         "dropped": int(counters.get("microbatches_dropped", 0)),
         "window_mean": statistics.fmean(sizes),
+        "window_sizes": sizes,
         "codec": wire["codec"],
         "timeline": timeline,
         "pacer_first_mbit": first_pace(logs / "natted.log"),
