@@ -16,10 +16,10 @@ Owns two things every stage role uses the same way:
   picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
   rates its receivers put in their acks, or for a relayed receiver, which reports none, by
   this node's own clock). Once one upload takes longer than ``TURNS_SEND_S`` at that rate,
-  its uploads take the uplink in turns,
-  gradients first (``node.net.uplink``); one that waited and could no longer end within the
-  hop's deadline when its turn comes is not sent. Before it knows any rate, its timeable
-  uploads take turns too: the first one alone measures the link.
+  its uploads take the uplink in turns, gradients first (``node.net.uplink``); one that
+  waited and could no longer end within the hop's deadline when its turn comes is not sent.
+  Before it knows any rate, its timeable uploads take turns too: the first one alone
+  measures the link.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
