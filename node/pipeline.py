@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -359,9 +358,6 @@ class HopSender:
             )
             return code
         trip_s = time.monotonic() - t0
-        if math.isfinite(ack.rate) and ack.rate > 0:
-            self.wire.observe(ack.rate)
-        else:  # a relayed receiver times nothing: this node's own clock does
-            self.wire.observe_trip(nbytes, trip_s)
+        self.wire.observe_upload(ack.rate, nbytes, trip_s)
         ctx.router.finished(peer_id, True, ctx.clock.now(), trip_s, ack.queue, ack.service_rate)
         return None

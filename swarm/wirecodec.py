@@ -73,6 +73,11 @@ def arrival_rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds
 
 
+def is_rate(rate_bytes_s: float) -> bool:
+    """Whether a reported rate is a measurement: a positive finite number."""
+    return math.isfinite(rate_bytes_s) and rate_bytes_s > 0
+
+
 @dataclass
 class CodecChoice:
     """A node's current wire codec and the link rate it was chosen by."""
@@ -84,10 +89,19 @@ class CodecChoice:
     """Weight of each new report."""
     num_switches: int = 0
 
+    def observe_upload(self, reported: float, nbytes: int, trip_s: float) -> None:
+        """An answered upload of ``nbytes``, ``trip_s`` from its start to its answer: its
+        receiver's report (``Ack.rate``) where that is a measurement, else the sender's own
+        clock (``observe_trip``)."""
+        if is_rate(reported):
+            self.observe(reported)
+        else:
+            self.observe_trip(nbytes, trip_s)
+
     def observe(self, rate_bytes_s: float) -> None:
         """A receiver's report (``Ack.rate``); zero, negative or non-finite ones are not
         measurements and are ignored."""
-        if not (math.isfinite(rate_bytes_s) and rate_bytes_s > 0):
+        if not is_rate(rate_bytes_s):
             return
         prev = self.rate_bytes_s
         self.rate_bytes_s = (

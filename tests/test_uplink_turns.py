@@ -135,28 +135,28 @@ class SharingTransport:
     ) -> Message:
         loop = asyncio.get_running_loop()
         nbytes = sum(t.nbytes for t in msg.tensors.values())
-        if nbytes / self.rate + self.ack_s > timeout:
-            await asyncio.sleep(timeout)
-            raise TransportError("timeout", "late")
+        late = nbytes / self.rate + self.ack_s > timeout
         self.running += 1
         self.most = max(self.most, self.running)
         self.began.append(msg.TYPE)
         start = loop.time()
         try:
-            await asyncio.sleep(nbytes / self.rate)
+            await asyncio.sleep(timeout if late else nbytes / self.rate)
         finally:
             self.running -= 1
             self.spans.append((start, loop.time()))
+        if late:
+            raise TransportError("timeout", "late")
         await asyncio.sleep(self.ack_s)
         return Ack(rate=self.rate if self.reports else 0.0)
 
     def overlap_s(self) -> float:
-        """The longest two transfers ran together."""
-        spans = sorted(self.spans)
-        return max(
-            (min(a[1], b[1]) - b[0] for a, b in zip(spans, spans[1:], strict=False)),
-            default=0.0,
-        )
+        """The longest a transfer ran together with any that began before it."""
+        longest, end = 0.0, float("-inf")
+        for start, stop in sorted(self.spans):
+            longest = max(longest, min(end, stop) - start)
+            end = max(end, stop)
+        return longest
 
 
 def no_tasks(coro: Coroutine[Any, Any, None]) -> None:
