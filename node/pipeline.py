@@ -12,7 +12,9 @@ Owns two things every stage role uses the same way:
   the next stage with the router (``swarm.routing``) and retries others when one fails or
   is busy (``train.hop_retries``); ``send_to`` sends to one fixed peer (a microbatch's way
   home, or a gradient's way back along its path). A send that no replica takes is counted
-  as a dropped hop; the head re-issues the microbatch when its deadline passes. It also
+  as a dropped hop, and ``tell_head`` tells the head that issued the microbatch (a
+  ``Dropped`` notice), which re-issues it at once; failing that, when its deadline passes.
+  It also
   picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
   rates its receivers put in their acks, or for a relayed receiver, which reports none, by
   this node's own clock). Once one upload takes longer than ``TURNS_SEND_S`` at that rate,
@@ -36,7 +38,7 @@ from typing import Any
 from node.context import NodeContext
 from node.logs import RateLimitedLog
 from node.net.uplink import UplinkTurns
-from protocol.messages import Ack, Hop, Message, PeerRecord, expect
+from protocol.messages import Ack, Dropped, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
 from swarm.window import MIN_SIZE
 from swarm.wirecodec import MIN_TIMED_BYTES, CodecChoice, payload_bytes
@@ -270,6 +272,28 @@ class HopSender:
             stage,
         )
         return False
+
+    async def tell_head(self, head: Hop, mb_id: str, stage: int) -> None:
+        """Tell ``head``, which issued microbatch ``mb_id``, that its hop from ``stage`` here
+        went nowhere, so that it re-issues it now and its window slot is free again
+        (``HeadRole.on_dropped``). Best effort: its deadline still stands behind it."""
+        ctx = self.ctx
+        notice = Dropped(mb_id=mb_id, stage=stage, sender=ctx.peer_id)
+        timeout_s = ctx.config.train.hop_timeout_s
+        try:
+            expect(await ctx.transport.request(head.address, notice, timeout_s, head.peer_id), Ack)
+        except (TransportError, ValueError) as e:
+            ctx.counters["drop_notices_failed"] += 1
+            self._log.log(
+                "notice",
+                logging.INFO,
+                "could not tell head %s that microbatch %s was dropped: %s",
+                head.peer_id[:8],
+                mb_id,
+                e,
+            )
+            return
+        ctx.counters["drop_notices_sent"] += 1
 
     async def _pick(self, stage: int, tried: set[str]) -> PeerRecord | None:
         """A replica of ``stage``; waits up to one hop timeout for one to appear."""

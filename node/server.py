@@ -7,7 +7,8 @@ Owns the aiohttp application and what happens to a request before a service work
   dispatched (``protocol.auth``); the guard (``node.services.guard``) admits it (bans,
   unknown peers, rate limits, duplicates); then it goes to its handler: membership for
   ``Hello``, ``Ping``, ``Probe`` and ``Leave``; the stage role's jobs, queued, for
-  ``Forward`` and ``Backward`` (after their route and activations are checked); the runner for ``FetchState``; the sync
+  ``Forward`` and ``Backward`` (after their route and activations are checked); the head
+  role for a replica's ``Dropped`` notice; the runner for ``FetchState``; the sync
   service for gossip and ring chunks; recovery for head backups and rollbacks; the
   balancer for a replica's request to leave or join the stage; the reachability check for
   dial-backs and their probes.
@@ -77,6 +78,7 @@ from protocol.messages import (
     Backward,
     DialBack,
     DialProbe,
+    Dropped,
     Error,
     FetchState,
     Forward,
@@ -283,6 +285,8 @@ class NodeServer:
         if isinstance(msg, DialProbe):
             return self.reachability.on_probe(msg)
         self.ctx.state.check_serving()
+        if isinstance(msg, Dropped):
+            return self._on_dropped(msg)
         if isinstance(msg, GossipRequest):
             return await self._current_sync().on_gossip(msg)
         if isinstance(msg, RingChunk):
@@ -353,6 +357,13 @@ class NodeServer:
         self.work.put("backward", job, 4 * math.prod(g.shape))
         self.guard.accepted(msg)
         return self._work_ack()
+
+    def _on_dropped(self, msg: Dropped) -> Ack:
+        role = self._current_role()
+        if not isinstance(role, HeadRole):
+            stage = self.ctx.state.stage
+            raise Refused("wrong_stage", f"this node serves stage {stage}, not the head's", 409)
+        return role.on_dropped(msg)
 
     def _work_ack(self) -> Ack:
         """A microbatch's ack: our jobs queued or running (it included) and compute rate of

@@ -69,6 +69,7 @@ from protocol.errors import (
 from protocol.messages import (
     Backward,
     DialBack,
+    Dropped,
     Error,
     Forward,
     GossipRequest,
@@ -207,7 +208,8 @@ def claimed_sender(msg: Message) -> str | None:
     if isinstance(msg, Leave):
         return msg.peer_id
     if isinstance(
-        msg, GossipRequest | HeadBackup | Rollback | DialBack | MoveRequest | Ping | Probe
+        msg,
+        GossipRequest | HeadBackup | Rollback | DialBack | MoveRequest | Ping | Probe | Dropped,
     ):
         return msg.sender
     if isinstance(msg, Pong):

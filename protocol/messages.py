@@ -320,6 +320,23 @@ class Backward(Message):
 
 
 @dataclass(frozen=True)
+class Dropped(Message):
+    """A replica could not pass microbatch ``mb_id`` on: its output or gradient at stage
+    ``stage`` went nowhere (no replica of the next stage took it, or this node's uplink had
+    no time left for it). Sent to the head that issued it (``path[0]``), which re-issues it
+    now rather than at its deadline; answered ``Ack``. A microbatch's id carries random bits
+    (``node.roles.head``), so only a peer that held the microbatch can name it."""
+
+    TYPE: ClassVar[str] = "dropped"
+    mb_id: str
+    stage: int
+    sender: str
+
+    def problem(self) -> str | None:
+        return _counter_problem(self, "stage")
+
+
+@dataclass(frozen=True)
 class Ack(Message):
     """Accepted for processing (work continues asynchronously)."""
 
@@ -519,6 +536,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
         Probe,
         Forward,
         Backward,
+        Dropped,
         Ack,
         Error,
         FetchState,

@@ -43,6 +43,7 @@ from protocol.errors import (
 from protocol.messages import (
     Ack,
     Backward,
+    Dropped,
     Error,
     FetchState,
     Forward,
@@ -256,6 +257,7 @@ def test_claimed_sender_of_each_message_kind() -> None:
     assert claimed_sender(Backward(mb_id="m", index=2, path=[a, b, c], meta={})) == "p0"
     assert claimed_sender(Backward(mb_id="m", index=0, path=[a, b, c], meta={})) == "p1"
     assert claimed_sender(Backward(mb_id="m", index=5, path=[a], meta={})) is None
+    assert claimed_sender(Dropped(mb_id="m", stage=1, sender="p7")) == "p7"
     assert claimed_sender(Ack()) is None
 
 

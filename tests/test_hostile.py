@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,10 +24,12 @@ import torch
 
 from node.config import resolve_config
 from node.daemon import Node
+from node.roles.head import HeadRole, Pending
 from protocol.frames import join_frame
 from protocol.messages import (
     Ack,
     Backward,
+    Dropped,
     Error,
     Forward,
     GossipRequest,
@@ -276,6 +279,31 @@ async def test_head_refuses_stale_and_foreign_microbatches(make_node: Any) -> No
     await refused(node, stale, "stale_microbatch", 410)
     foreign = Forward(**{**home.__dict__, "path": [Hop(0, HEAD, "x:2"), last]})
     await refused(node, foreign, "not_on_path", 400)
+
+
+async def test_a_drop_notice_re_issues_only_a_pending_microbatch_of_the_head(
+    make_node: Any,
+) -> None:
+    block = await make_node()
+    notice = Dropped(mb_id="00000000.1.1.00ff00ff00ff00ff", stage=1, sender=OTHER)
+    await refused(block, notice, "wrong_stage", 409)  # only a head takes drop notices
+    node = await make_node(**{"node.stage": "0"})
+    node.table.observe(PeerRecord(peer_id=OTHER, address="x:1", stage=1, ready=True), 0.0)
+    await refused(node, Dropped(mb_id="m" * 129, stage=1, sender=OTHER), "bad_microbatch_id", 400)
+    await refused(node, Dropped(mb_id="m", stage=-1, sender=OTHER), "malformed_message", 400)
+    await refused(node, Dropped(mb_id="m", stage=1, sender=STRANGER), "unknown_peer", 403)
+    await refused(node, notice, "stale_microbatch", 410)  # not pending here: nothing to re-issue
+    role = node.role
+    assert isinstance(role, HeadRole)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    pending = Pending(1, ids, ids, attempt=1, deadline_s=1e12, mb_id=notice.mb_id)
+    role.pending[notice.mb_id] = pending
+    assert (await post(node, notice)) == (200, Ack())
+    assert pending.deadline_s == 0.0  # the head's loop re-issues it on its next turn
+    assert node.counters["drop_notices"] == 1
+    pending.deadline_s = math.inf  # its gradient is being applied: left to finish
+    assert (await post(node, notice)) == (200, Ack(detail="finishing"))
+    assert pending.deadline_s == math.inf and node.counters["drop_notices"] == 1
 
 
 async def test_unknown_and_banned_peers_are_refused(make_node: Any) -> None:

@@ -4,8 +4,9 @@ Forward: the activations go through the blocks (kept for the backward under the
 microbatch's id, with the weights they were made with: ``node.stage.runner``), and the
 output goes on to a replica of the next stage in the microbatch's route, or home to the
 head that issued it after the last block stage. Backward: the gradient goes back through
-the same blocks and on to the previous hop of the recorded path. Both messages are built
-and encoded on the compute thread, so the event loop only sends them.
+the same blocks and on to the previous hop of the recorded path. When an output or a
+gradient goes nowhere, the head is told, so it re-issues the microbatch at once. Both
+messages are built and encoded on the compute thread, so the event loop only sends them.
 
 Does not own the weights or the maths (``node.stage.runner``), the queue or the sending
 (``node.pipeline``).
@@ -59,7 +60,12 @@ class BlockRole:
             out = await runner.compute(compute)
             if nxt == 0:
                 return lambda: self.hops.send_to(path[0], out)
-            return lambda: self.hops.send_to_stage(nxt, out)
+
+            async def send() -> None:
+                if not await self.hops.send_to_stage(nxt, out):
+                    await self.hops.tell_head(path[0], msg.mb_id, stage)
+
+            return send
 
         return job
 
@@ -83,6 +89,12 @@ class BlockRole:
 
         async def job() -> Send:
             back = await runner.compute(compute)
-            return lambda: self.hops.send_to(msg.path[msg.index - 1], back)
+
+            async def send() -> None:
+                sent = await self.hops.send_to(msg.path[msg.index - 1], back)
+                if not sent and msg.index > 1:  # at 1 it went to the head itself: none to tell
+                    await self.hops.tell_head(msg.path[0], msg.mb_id, runner.stage)
+
+            return send
 
         return job

@@ -10,7 +10,10 @@ A head-stage node is where every microbatch starts and ends (SWARM's "trainer", 
 - the deadline of each microbatch: one not completed in time is re-issued on a fresh route
   (``retried``) up to ``max_attempts`` issues, then ``dropped``; every issued microbatch ends
   as exactly one of completed, retried or dropped, evaluation ones included, so at any
-  moment ``issued == completed + retried + dropped + pending`` (``status()``);
+  moment ``issued == completed + retried + dropped + pending`` (``status()``). A replica
+  that could not pass one on says so (``on_dropped``), and it is re-issued at once, its
+  window slot free again, instead of at its deadline. Each issue's id ends in 64 random
+  bits, so a peer the microbatch never reached cannot name it in such a notice;
 - the loss at the end of the pipeline, the gradient sent back along the recorded path, and
   the embedding's backward when it returns;
 - evaluation on the fixed held-out split, through the same pipeline without gradients.
@@ -27,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,7 +42,7 @@ from node.context import NodeContext
 from node.data.dataset import TextDataset, open_dataset, shard_of
 from node.pipeline import HopSender, Job, Send
 from node.stage.runner import StageRunner
-from protocol.messages import Backward, Forward, Hop, prepare
+from protocol.messages import Ack, Backward, Dropped, Forward, Hop, prepare
 from protocol.quant import WireTensor, encode_tensor
 from swarm.assignment import choose_shard
 from swarm.recovery import checkfree_plus_route
@@ -237,7 +241,7 @@ class HeadRole:
             issued_s=now,
         )
         self._num_issues += 1
-        p.mb_id = f"{self.ctx.peer_id[:8]}.{seq}.{self._num_issues}"
+        p.mb_id = f"{self.ctx.peer_id[:8]}.{seq}.{self._num_issues}.{secrets.token_hex(8)}"
         self.pending[p.mb_id] = p
         self.ctx.counters["microbatches_issued"] += 1  # with the insert: issued == ended + pending
         codec = self.hops.codec(ids.numel() * self.config.model.d_model, runner.job_s)
@@ -268,6 +272,24 @@ class HeadRole:
             p.deadline_s = 0.0  # re-issue at once rather than wait out the deadline
             self._wake.set()
 
+    def on_dropped(self, msg: Dropped) -> Ack:
+        """A replica could not pass microbatch ``msg.mb_id`` on: re-issue it now
+        (``stale_microbatch`` if it is no longer pending; one whose gradient is being applied
+        here is left to finish)."""
+        p = self._pending(msg.mb_id)
+        if p.deadline_s == math.inf:
+            return Ack(detail="finishing")
+        self.ctx.counters["drop_notices"] += 1
+        log.info(
+            "microbatch %s went no further than stage %d (replica %s); re-issuing now",
+            msg.mb_id,
+            msg.stage,
+            msg.sender[:8],
+        )
+        p.deadline_s = 0.0
+        self._wake.set()
+        return Ack()
+
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for mb_id, p in list(self.pending.items()):
@@ -280,7 +302,8 @@ class HeadRole:
                 self.in_flight.failed(now)
             if p.attempt < self.train.max_attempts:
                 self.ctx.counters["microbatches_retried"] += 1
-                log.info("microbatch %s missed its deadline; re-issuing", mb_id)
+                why = "missed its deadline" if p.deadline_s else "was dropped on its way"
+                log.info("microbatch %s %s; re-issuing", mb_id, why)
                 self.ctx.spawn(self._issue((p.ids, p.labels), p.attempt + 1, p.seq, p.eval_result))
             else:
                 self.ctx.counters["microbatches_dropped"] += 1

@@ -11,10 +11,12 @@ applies them to the node's state and turns them into ``Refused`` with a stable c
 code                        status  when
 ==========================  ======  =======================================================
 ``banned``                  403     the claimed sender is quarantined (poisoned weights)
-``unknown_peer``            403     a microbatch, gossip, head backup, rollback, dial-back
-                                    or move request sender not in our peer table
+``unknown_peer``            403     a microbatch, drop notice, gossip, head backup,
+                                    rollback, dial-back or move request sender not in our
+                                    peer table
 ``rate_limited``            429     the sender's token bucket is empty
-``bad_microbatch_id``       400     an empty or overlong microbatch id
+``bad_microbatch_id``       400     an empty or overlong microbatch id (a hop's or a drop
+                                    notice's)
 ``bad_path``                400     a path longer than the pipeline
 ``not_on_path``             400     a microbatch coming home to a head that did not issue it
 ``duplicate_microbatch``    409     a forward or backward already accepted here
@@ -39,6 +41,7 @@ from protocol.auth import claimed_sender
 from protocol.messages import (
     Backward,
     DialBack,
+    Dropped,
     Forward,
     GossipRequest,
     HeadBackup,
@@ -53,9 +56,19 @@ from swarm.seams import Refused
 log = logging.getLogger(__name__)
 
 MAX_MB_ID_CHARS = 128
-"""Longest microbatch id accepted (ours are ``<peer>.<seq>.<issue>``, about 20 characters)."""
+"""Longest microbatch id accepted (ours are ``<peer>.<seq>.<issue>.<16 random hex digits>``,
+about 40 characters)."""
 
-_NEEDS_KNOWN = (Forward, Backward, GossipRequest, HeadBackup, Rollback, DialBack, MoveRequest)
+_NEEDS_KNOWN = (
+    Forward,
+    Backward,
+    Dropped,
+    GossipRequest,
+    HeadBackup,
+    Rollback,
+    DialBack,
+    MoveRequest,
+)
 """Requests only a peer in our table may send (a stranger says ``Hello`` first)."""
 
 
@@ -96,18 +109,14 @@ class RequestGuard:
                 f"more than {self.net.rate_limit_per_s:g} requests/s from {str(sender)[:16]}",
                 429,
             )
+        if isinstance(msg, Forward | Backward | Dropped):
+            _check_microbatch_id(msg.mb_id)
         if isinstance(msg, Forward | Backward):
             self._check_microbatch(msg)
         return sender
 
     def _check_microbatch(self, msg: Forward | Backward) -> None:
         num_stages = self.ctx.num_stages
-        if not 0 < len(msg.mb_id) <= MAX_MB_ID_CHARS:
-            raise Refused(
-                "bad_microbatch_id",
-                f"microbatch id of {len(msg.mb_id)} characters (1..{MAX_MB_ID_CHARS} allowed)",
-                400,
-            )
         if len(msg.path) > num_stages:
             raise Refused(
                 "bad_path",
@@ -160,4 +169,13 @@ class RequestGuard:
             reason,
             detail,
             self.net.ban_s,
+        )
+
+
+def _check_microbatch_id(mb_id: str) -> None:
+    if not 0 < len(mb_id) <= MAX_MB_ID_CHARS:
+        raise Refused(
+            "bad_microbatch_id",
+            f"microbatch id of {len(mb_id)} characters (1..{MAX_MB_ID_CHARS} allowed)",
+            400,
         )
