@@ -93,7 +93,8 @@ def live(
         elapsed = time.monotonic() - t0
         final = status_of(public)
         counters = final["counters"]
-        wire = status_of(natted)["wire"]
+        node = status_of(natted)
+        wire = node["wire"]
     return {
         "window": final["window"]["policy"],
         "mbit": mbit,
@@ -104,6 +105,8 @@ def live(
         "microbatches_per_s": int(counters.get("microbatches_completed", 0)) / elapsed,
         "retried": int(counters.get("microbatches_retried", 0)),
         "dropped": int(counters.get("microbatches_dropped", 0)),
+        "drop_notices": int(counters.get("drop_notices", 0)),
+        "not_sent": int(node["counters"].get("send_failed_uplink_busy", 0)),
         "window_mean": statistics.fmean(sizes),
         "window_sizes": sizes,
         "codec": wire["codec"],
@@ -255,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"pacing {run['pacing']}: "
             f"{run['completed']} microbatches in "
             f"{run['measure_s']:.0f} s, {run['retried']} re-issued, {run['dropped']} dropped, "
+            f"{run['not_sent']} not sent, {run['drop_notices']} drop notices, "
             f"window {run['window_mean']:.1f}, codec {run['codec']}, pacer first read "
             f"{run['pacer_first_mbit']} Mbit/s ({run['commit']})"
         )
