@@ -15,6 +15,7 @@ Does not own the weights or the maths (``node.stage.runner``), the queue or the 
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 
 from node.context import NodeContext
 from node.pipeline import HopSender, Job, Send
@@ -59,13 +60,8 @@ class BlockRole:
         async def job() -> Send:
             out = await runner.compute(compute)
             if nxt == 0:
-                return lambda: self.hops.send_to(path[0], out)
-
-            async def send() -> None:
-                if not await self.hops.send_to_stage(nxt, out):
-                    await self.hops.tell_head(path[0], msg.mb_id, stage)
-
-            return send
+                return self._send(lambda: self.hops.send_to(path[0], out), msg, stage)
+            return self._send(lambda: self.hops.send_to_stage(nxt, out), msg, stage)
 
         return job
 
@@ -89,12 +85,20 @@ class BlockRole:
 
         async def job() -> Send:
             back = await runner.compute(compute)
-
-            async def send() -> None:
-                sent = await self.hops.send_to(msg.path[msg.index - 1], back)
-                if not sent and msg.index > 1:  # at 1 it went to the head itself: none to tell
-                    await self.hops.tell_head(msg.path[0], msg.mb_id, runner.stage)
-
-            return send
+            prev = msg.path[msg.index - 1]
+            return self._send(lambda: self.hops.send_to(prev, back), msg, runner.stage)
 
         return job
+
+    def _send(
+        self, hop: Callable[[], Awaitable[bool]], msg: Forward | Backward, stage: int
+    ) -> Send:
+        """A job's send: the ``hop``, and if it went nowhere, a word to the microbatch's head
+        (also when the hop was to the head itself: an upload this node's thin uplink had no
+        time for is never refused by the head, so it would only wait out its deadline)."""
+
+        async def send() -> None:
+            if not await hop():
+                await self.hops.tell_head(msg.path[0], msg.mb_id, stage)
+
+        return send
