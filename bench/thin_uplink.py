@@ -110,6 +110,7 @@ def live(
         "window_mean": statistics.fmean(sizes),
         "window_sizes": sizes,
         "codec": wire["codec"],
+        "link_mbit": wire["link_mbps"],
         "timeline": timeline,
         "pacer_first_mbit": first_pace(logs / "natted.log"),
         "pacer_mbit": pacer,
