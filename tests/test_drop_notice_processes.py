@@ -19,7 +19,7 @@ from node.client import fetch_status
 from node.demo import LocalSwarm, wait_ready
 from tests.helpers import FAST_SWARM, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize(("full", "sender"), [(2, 1), (0, 2)], ids=["next-stage", "home"])
