@@ -1,6 +1,7 @@
 """Long uploads take a thin uplink in turns, gradients first (``node.net.uplink``), and the
 hop sender uses the turns only for uploads that are long at the rate its receivers report
-(``node.pipeline.HopSender``). The live check is ``bench/thin_uplink.py``'s floor runs."""
+(``node.pipeline.HopSender``). The live check is ``bench/thin_uplink.py``'s floor runs.
+Last, the hop sender's word to a head when a hop went nowhere (``tell_head``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from node.config import resolve_config
 from node.context import NodeContext, NodeState
 from node.net.uplink import UplinkTurns
 from node.pipeline import TURNS_SEND_S, HopSender
-from protocol.messages import Ack, Backward, Forward, Hop, Message
+from protocol.messages import Ack, Backward, Dropped, Error, Forward, Hop, Message
 from swarm.peers import PeerTable
 from swarm.routing import Router
 from swarm.seams import MonotonicClock, TransportError
@@ -348,3 +349,41 @@ def test_small_uploads_never_wait_for_the_rate() -> None:
     hops = sender(transport, hop_timeout_s=5.0)
     assert asyncio.run(send_all(hops, ["forward"] * 3, 16_000, gap_s=0.0)) == [True] * 3
     assert transport.most == 3
+
+
+class Answering:
+    """A transport whose every request gets ``answer`` (raised, if it is an exception)."""
+
+    def __init__(self, answer: Message | Exception) -> None:
+        self.answer = answer
+        self.sent: list[tuple[str, Message, str]] = []
+
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
+        self.sent.append((address, msg, peer_id))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "counted"),
+    [
+        (Ack(), "drop_notices_sent"),
+        (TransportError("timeout", "no answer"), "drop_notices_failed"),
+        (TransportError("stale_microbatch", "re-issued already"), "drop_notices_failed"),
+        (Error("x", "not an ack"), "drop_notices_failed"),
+    ],
+)
+def test_a_drop_notice_goes_to_the_head_and_a_failed_one_is_only_counted(
+    answer: Message | Exception, counted: str
+) -> None:
+    transport = Answering(answer)
+    hops = sender(transport, hop_timeout_s=5.0)  # type: ignore[arg-type]
+    head = Hop(0, "h" * 16, "10.0.0.1:7000")
+    asyncio.run(hops.tell_head(head, "mb.1.1.00ff", 2))
+    [(address, notice, peer_id)] = transport.sent
+    assert (address, peer_id) == (head.address, head.peer_id)
+    assert notice == Dropped(mb_id="mb.1.1.00ff", stage=2, sender=hops.ctx.peer_id)
+    assert hops.ctx.counters == Counter({counted: 1})
