@@ -12,16 +12,15 @@ Owns two things every stage role uses the same way:
   the next stage with the router (``swarm.routing``) and retries others when one fails or
   is busy (``train.hop_retries``); ``send_to`` sends to one fixed peer (a microbatch's way
   home, or a gradient's way back along its path). A send that no replica takes is counted
-  as a dropped hop, and ``tell_head`` tells the head that issued the microbatch (a
-  ``Dropped`` notice), which re-issues it at once; failing that, when its deadline passes.
-  It also
-  picks the wire codec the roles encode in (``train.wire_codec = auto``: by the arrival
-  rates its receivers put in their acks, or for a relayed receiver, which reports none, by
-  this node's own clock). Once one upload takes longer than ``TURNS_SEND_S`` at that rate,
-  its uploads take the uplink in turns, gradients first (``node.net.uplink``); one that
-  waited and could no longer end within the hop's deadline when its turn comes is not sent.
-  Before it knows any rate, its timeable uploads take turns too: the first one alone
-  measures the link.
+  as a dropped hop; a block role then has ``tell_head`` send the head that issued the
+  microbatch a ``Dropped`` notice, and the head re-issues it at once (failing that, when its
+  deadline passes). It also picks the wire codec the roles encode in (``train.wire_codec =
+  auto``: by the arrival rates its receivers put in their acks, or for a relayed receiver,
+  which reports none, by this node's own clock). Once one upload takes longer than
+  ``TURNS_SEND_S`` at that rate, its uploads take the uplink in turns, gradients first
+  (``node.net.uplink``); one that waited and could no longer end within the hop's deadline
+  when its turn comes is not sent. Before it knows any rate, its timeable uploads take turns
+  too: the first one alone measures the link.
 
 Does not own what a job computes (``node.roles``) nor what the server accepts
 (``node.server``).
