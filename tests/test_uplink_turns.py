@@ -21,7 +21,7 @@ from node.pipeline import TURNS_SEND_S, HopSender
 from protocol.messages import Ack, Backward, Dropped, Error, Forward, Hop, Message
 from swarm.peers import PeerTable
 from swarm.routing import Router
-from swarm.seams import MonotonicClock, TransportError
+from swarm.seams import MonotonicClock, Transport, TransportError
 
 
 async def holders(turns: UplinkTurns, asks: list[tuple[str, int]], hold_s: float) -> list[str]:
@@ -165,7 +165,7 @@ def no_tasks(coro: Coroutine[Any, Any, None]) -> None:
     raise AssertionError("a hop sender runs no task of its own")
 
 
-def sender(transport: SharingTransport, hop_timeout_s: float) -> HopSender:
+def sender(transport: Transport, hop_timeout_s: float) -> HopSender:
     """A hop sender on a node context as the daemon builds it, its peers' requests going
     through ``transport``."""
     ctx = NodeContext(
@@ -380,7 +380,7 @@ def test_a_drop_notice_goes_to_the_head_and_a_failed_one_is_only_counted(
     answer: Message | Exception, counted: str
 ) -> None:
     transport = Answering(answer)
-    hops = sender(transport, hop_timeout_s=5.0)  # type: ignore[arg-type]
+    hops = sender(transport, hop_timeout_s=5.0)
     head = Hop(0, "h" * 16, "10.0.0.1:7000")
     asyncio.run(hops.tell_head(head, "mb.1.1.00ff", 2))
     [(address, notice, peer_id)] = transport.sent

@@ -269,8 +269,7 @@ class HeadRole:
 
     async def _send_first(self, p: Pending, msg: Forward) -> None:
         if not await self.hops.send_to_stage(msg.target_stage, msg):
-            p.deadline_s = 0.0  # re-issue at once rather than wait out the deadline
-            self._wake.set()
+            self._reissue_now(p)
 
     def on_dropped(self, msg: Dropped) -> Ack:
         """A replica could not pass microbatch ``msg.mb_id`` on: re-issue it now
@@ -286,9 +285,14 @@ class HeadRole:
             msg.stage,
             msg.sender[:8],
         )
+        self._reissue_now(p)
+        return Ack()
+
+    def _reissue_now(self, p: Pending) -> None:
+        """Re-issue ``p`` on the loop's next turn rather than wait out its deadline (one of
+        its hops went nowhere); the loop counts it as retried or dropped."""
         p.deadline_s = 0.0
         self._wake.set()
-        return Ack()
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -352,8 +356,7 @@ class HeadRole:
 
     async def _send_back(self, p: Pending, msg: Backward) -> None:
         if not await self.hops.send_to(msg.path[msg.index], msg):
-            p.deadline_s = 0.0
-            self._wake.set()
+            self._reissue_now(p)
 
     def backward_job(self, msg: Backward, g: WireTensor) -> Job:
         """The gradient reached the head again: backprop into the embedding; microbatch done.
