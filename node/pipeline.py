@@ -239,26 +239,30 @@ class HopSender:
             "uplink_waiting": self.turns.waiting,
         }
 
-    async def send_to(self, hop: Hop, msg: Message) -> bool:
-        """Send to one fixed peer (a microbatch's way home or back); False if it failed."""
-        if await self._request(hop.peer_id, hop.address, msg) is None:
-            return True
-        self.ctx.counters["hops_dropped"] += 1
-        return False
+    async def send_to(self, hop: Hop, msg: Message) -> str | None:
+        """Send to one fixed peer (a microbatch's way home or back): None when it took the
+        hop, else why not (the error code)."""
+        error = await self._request(hop.peer_id, hop.address, msg)
+        if error is not None:
+            self.ctx.counters["hops_dropped"] += 1
+        return error
 
-    async def send_to_stage(self, stage: int, msg: Message) -> bool:
-        """Send to a replica of ``stage`` drawn by the router, retrying others on failure."""
+    async def send_to_stage(self, stage: int, msg: Message) -> str | None:
+        """Send to a replica of ``stage`` drawn by the router, retrying others on failure:
+        None when one took the hop, else why not (``no_replica`` when none was found, or the
+        last one's error code)."""
         tried: set[str] = set()
+        error: str | None = "no_replica"
         for attempt in range(self.ctx.config.train.hop_retries + 1):
             peer = await self._pick(stage, tried)
             if peer is None:
                 break
             error = await self._request(peer.peer_id, peer.address, msg)
             if error is None:
-                return True
+                return None
             if error == "uplink_busy":  # logged; another replica is behind the same uplink
                 self.ctx.counters["hops_dropped"] += 1
-                return False
+                return error
             self.ctx.counters["hop_retries"] += 1
             if error != "busy":
                 tried.add(peer.peer_id)
@@ -270,7 +274,7 @@ class HopSender:
             "no replica of stage %d took a microbatch; dropped",
             stage,
         )
-        return False
+        return error
 
     async def tell_head(self, head: Hop, mb_id: str, stage: int) -> None:
         """Tell ``head``, which issued microbatch ``mb_id``, that its hop from ``stage`` here

@@ -54,7 +54,7 @@ async def test_a_peer_whose_hops_time_out_but_who_speaks_to_us_is_not_counted_de
         heartbeat = Ping(SILENT, [replica], [])
         # Its hops time out, but it keeps speaking: stage 2 is never empty, nobody moves.
         for _ in range(4):
-            assert not await node.hops.send_to_stage(2, forward(stage=2))
+            assert await node.hops.send_to_stage(2, forward(stage=2)) == "timeout"
             assert (await post(node, heartbeat))[0] == 200
             await node.recovery.check()
             await asyncio.sleep(refill_s / 2)
@@ -68,7 +68,7 @@ async def test_a_peer_whose_hops_time_out_but_who_speaks_to_us_is_not_counted_de
         silent_s = node.router.silent_s
         assert silent_s == 2.0
         await asyncio.sleep(silent_s)
-        assert not await node.hops.send_to_stage(2, forward(stage=2))
+        assert await node.hops.send_to_stage(2, forward(stage=2)) == "timeout"
         await node.recovery.check()
         assert node.counters["stages_seen_empty"] == 1 and 2 in node.recovery.empty_since
         await asyncio.sleep(refill_s + 0.1)

@@ -1,7 +1,8 @@
 """Long uploads take a thin uplink in turns, gradients first (``node.net.uplink``), and the
 hop sender uses the turns only for uploads that are long at the rate its receivers report
 (``node.pipeline.HopSender``). The live check is ``bench/thin_uplink.py``'s floor runs.
-Last, the hop sender's word to a head when a hop went nowhere (``tell_head``)."""
+Last, the word to a head when a hop went nowhere: the hop sender's ``tell_head``, and when a
+block replica sends it (``BlockRole``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import random
 from collections import Counter
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +20,10 @@ from node.config import resolve_config
 from node.context import NodeContext, NodeState
 from node.net.uplink import UplinkTurns
 from node.pipeline import TURNS_SEND_S, HopSender
-from protocol.messages import Ack, Backward, Dropped, Error, Forward, Hop, Message
+from node.roles.block import BlockRole
+from node.stage.runner import StageRunner
+from protocol.messages import Ack, Backward, Dropped, Error, Forward, Hop, Message, PeerRecord
+from protocol.quant import WireTensor, encode_tensor, open_tensor
 from swarm.peers import PeerTable
 from swarm.routing import Router
 from swarm.seams import MonotonicClock, Transport, TransportError
@@ -202,7 +207,7 @@ async def send_all(
 
     async def one(kind: str, delay: float) -> bool:
         await asyncio.sleep(delay)
-        return await hops.send_to(HOP, hop_message(kind, nbytes))
+        return await hops.send_to(HOP, hop_message(kind, nbytes)) is None
 
     return await asyncio.gather(*(one(k, i * gap_s) for i, k in enumerate(kinds)))
 
@@ -387,3 +392,100 @@ def test_a_drop_notice_goes_to_the_head_and_a_failed_one_is_only_counted(
     assert (address, peer_id) == (head.address, head.peer_id)
     assert notice == Dropped(mb_id="mb.1.1.00ff", stage=2, sender=hops.ctx.peer_id)
     assert hops.ctx.counters == Counter({counted: 1})
+
+
+class HopRefused:
+    """A transport that answers every hop with ``error`` and takes every drop notice."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+        self.notices: list[tuple[str, Message]] = []
+
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
+        if isinstance(msg, Dropped):
+            self.notices.append((address, msg))
+            return Ack()
+        raise TransportError(self.error, "refused")
+
+
+HEAD = Hop(0, "h" * 16, "10.0.0.1:7000")
+STAGE_1 = Hop(1, "a" * 16, "10.0.0.2:7000")
+
+
+def block_replica(transport: HopRefused, stage: int, num_block_stages: int) -> BlockRole:
+    """A block role of ``stage`` with its model built, its hops going through ``transport``;
+    a replica of stage 2 is in its table."""
+    hops = sender(transport, hop_timeout_s=1.0)
+    config = resolve_config(
+        overrides={
+            "swarm.num_block_stages": str(num_block_stages),
+            "train.hop_retries": "0",
+            "train.step_samples": "64",
+        }
+    )
+    ctx = replace(hops.ctx, config=config, num_stages=num_block_stages + 1)
+    hops.ctx = ctx
+    replica = PeerRecord(peer_id="b" * 16, address="10.0.0.3:7000", stage=2, ready=True)
+    ctx.table.observe(replica, ctx.clock.now())
+    runner = StageRunner(config, stage)
+    runner._build()
+    return BlockRole(ctx, runner, hops)
+
+
+def wire(x: torch.Tensor) -> WireTensor:
+    tensors, meta = encode_tensor(x, "fp32", name="x")
+    return open_tensor(tensors, meta)
+
+
+@pytest.mark.parametrize(
+    ("hop", "error", "told"),
+    [
+        ("onward", "unreachable", True),  # the head cannot know
+        ("home", "overloaded", True),  # the head turned it away and waits on
+        ("home", "stale_microbatch", False),  # the head re-issued it already
+        ("home", "unreachable", False),  # nor would the notice reach it
+        ("home", "banned", False),  # nor would it take the notice
+        ("back to the head", "stale_microbatch", False),
+        ("back to the head", "timeout", True),  # a thin uplink's timeout: a notice is small
+        ("back to a replica", "unknown_microbatch", True),
+        ("back to a replica", "unreachable", True),  # the head may be reachable
+    ],
+)
+def test_a_block_replica_tells_the_head_of_a_dropped_hop_unless_it_knows(
+    hop: str, error: str, told: bool
+) -> None:
+    """After a hop that went nowhere, the head that issued the microbatch hears of it, except
+    from a hop to itself that it refused knowing the microbatch gone, or that a notice could
+    not cross either (``HEAD_NEEDS_NO_WORD``)."""
+    transport = HopRefused(error)
+    mb_id = "h0h0h0h0.1.1.00ff"
+    x = torch.randn(1, 8, 128)
+    if hop in ("onward", "home"):
+        role = block_replica(transport, 1, num_block_stages=1 if hop == "home" else 2)
+        msg = Forward(mb_id, target_stage=1, path=[HEAD], eval=False, meta={}, tensors={})
+        job = role.forward_job(msg, wire(x))
+    else:
+        stage = 1 if hop == "back to the head" else 2
+        role = block_replica(transport, stage, num_block_stages=2)
+        role.runner.block_forward(mb_id, x, train=True)
+        path = [HEAD, STAGE_1, Hop(2, role.ctx.peer_id, "10.0.0.4:7000")][: stage + 1]
+        msg_b = Backward(mb_id, index=stage, path=path, meta={}, tensors={})
+        job = role.backward_job(msg_b, wire(x))
+
+    async def run() -> None:
+        send = await job()
+        assert send is not None
+        await send()
+
+    try:
+        asyncio.run(run())
+    finally:
+        role.runner.close()
+    counters = role.ctx.counters
+    assert counters["hops_dropped"] == 1
+    notice = Dropped(mb_id=mb_id, stage=role.runner.stage, sender=role.ctx.peer_id)
+    assert transport.notices == ([(HEAD.address, notice)] if told else [])
+    assert counters["drop_notices_sent"] == told
+    assert counters["drop_notices_needless"] == (not told)

@@ -24,6 +24,13 @@ from protocol.messages import Backward, Forward, Hop, prepare
 from protocol.quant import WireTensor, encode_tensor
 from swarm.seams import Refused
 
+HEAD_NEEDS_NO_WORD = frozenset(
+    {"stale_microbatch", "unreachable", "banned", "unknown_peer", "identity_mismatch"}
+)
+"""Why a hop to the head itself failed, when a drop notice to it would do nothing: it no
+longer waits for the microbatch (``stale_microbatch``: its deadline or an earlier notice
+re-issued it), or it would refuse or never get the notice for the same reason as the hop."""
+
 
 class BlockRole:
     """One block-stage replica's jobs."""
@@ -60,8 +67,8 @@ class BlockRole:
         async def job() -> Send:
             out = await runner.compute(compute)
             if nxt == 0:
-                return self._send(lambda: self.hops.send_to(path[0], out), msg, stage)
-            return self._send(lambda: self.hops.send_to_stage(nxt, out), msg, stage)
+                return self._send(lambda: self.hops.send_to(path[0], out), msg, stage, True)
+            return self._send(lambda: self.hops.send_to_stage(nxt, out), msg, stage, False)
 
         return job
 
@@ -86,19 +93,32 @@ class BlockRole:
         async def job() -> Send:
             back = await runner.compute(compute)
             prev = msg.path[msg.index - 1]
-            return self._send(lambda: self.hops.send_to(prev, back), msg, runner.stage)
+            to_head = msg.index - 1 == 0
+            return self._send(lambda: self.hops.send_to(prev, back), msg, runner.stage, to_head)
 
         return job
 
     def _send(
-        self, hop: Callable[[], Awaitable[bool]], msg: Forward | Backward, stage: int
+        self,
+        hop: Callable[[], Awaitable[str | None]],
+        msg: Forward | Backward,
+        stage: int,
+        to_head: bool,
     ) -> Send:
-        """A job's send: the ``hop``, and if it went nowhere, a word to the microbatch's head
-        (also when the hop was to the head itself: an upload this node's thin uplink had no
-        time for is never refused by the head, so it would only wait out its deadline)."""
+        """A job's send: the ``hop`` (``to_head``: to the microbatch's head itself), and if
+        it went nowhere, a word to that head, so it re-issues the microbatch now. Also after
+        a hop to the head, which may not know: an upload this node's thin uplink had no time
+        for, or one the head turned away as ``overloaded``, would otherwise wait out its
+        deadline. Not where the head already knows or would not take the word either
+        (``HEAD_NEEDS_NO_WORD``)."""
 
         async def send() -> None:
-            if not await hop():
-                await self.hops.tell_head(msg.path[0], msg.mb_id, stage)
+            error = await hop()
+            if error is None:
+                return
+            if to_head and error in HEAD_NEEDS_NO_WORD:
+                self.ctx.counters["drop_notices_needless"] += 1
+                return
+            await self.hops.tell_head(msg.path[0], msg.mb_id, stage)
 
         return send

@@ -268,7 +268,7 @@ class HeadRole:
         self.ctx.spawn(self._send_first(p, msg))
 
     async def _send_first(self, p: Pending, msg: Forward) -> None:
-        if not await self.hops.send_to_stage(msg.target_stage, msg):
+        if await self.hops.send_to_stage(msg.target_stage, msg) is not None:
             self._reissue_now(p)
 
     def on_dropped(self, msg: Dropped) -> Ack:
@@ -355,7 +355,7 @@ class HeadRole:
         return job
 
     async def _send_back(self, p: Pending, msg: Backward) -> None:
-        if not await self.hops.send_to(msg.path[msg.index], msg):
+        if await self.hops.send_to(msg.path[msg.index], msg) is not None:
             self._reissue_now(p)
 
     def backward_job(self, msg: Backward, g: WireTensor) -> Job:
