@@ -112,6 +112,13 @@ def format_status(st: dict[str, Any]) -> str:
             f"{per:.2f}s per round, spread to last partner {spread}, "
             f"{sync['bytes_sent'] / 1e6:.1f} MB sent, {sync['bytes_received'] / 1e6:.1f} MB received"
         )
+        if sync.get("uplink_too_thin"):
+            send_s, given_s = sync["contribution_send_s"], sync["contribution_given_s"]
+            lines.append(
+                f"  uplink too thin to gossip: a contribution takes {send_s:.0f} s to send and a "
+                f"partner waits {given_s:.0f} s (rounds end solo; a smaller sync.codec or a "
+                "lower sync.min_link_mbps would fit)"
+            )
     bal = st.get("balance")
     if bal:
         plan = bal.get("plan")

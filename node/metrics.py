@@ -546,6 +546,13 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
             "as measured on membership pings; outer rounds follow the stage's clock.",
             _num(sync["clock_offset_s"]),
         )
+    if "uplink_too_thin" in sync:
+        yield _gauge(
+            "murmur_sync_uplink_too_thin",
+            "1 when this replica's last NoLoCo contribution takes longer to upload, at the rate "
+            "its uploads get, than a partner waits for it: its rounds end solo.",
+            1.0 if sync["uplink_too_thin"] else 0.0,
+        )
     if sync.get("spread_rms") is not None:
         yield _gauge(
             "murmur_replica_spread_rms",

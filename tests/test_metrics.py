@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node.display import format_status
 from node.metrics import NodeCollector, start_metrics_server
 from node.net.transport import (
     Histogram,
@@ -118,6 +119,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_sync_promises_lapsed": ("counter", set()),
     "murmur_sync_places_clamped": ("counter", set()),
     "murmur_sync_clock_restarts": ("counter", set()),
+    "murmur_sync_uplink_too_thin": ("gauge", set()),
     "murmur_replica_spread_rms": ("gauge", set()),
     "murmur_clock_offset_seconds": ("gauge", set()),
     "murmur_recoveries": ("counter", {"kind"}),
@@ -247,6 +249,9 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "clock_offset_s": -12.5,
             "last_partner": PEER_IDS[0],
             "in_progress": False,
+            "contribution_send_s": 14.2,
+            "contribution_given_s": 11.9,
+            "uplink_too_thin": True,
         },
         "recovery": {
             "recoveries": {"checkfree": 1},
@@ -398,6 +403,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_sync_duration_seconds_count") == 3
     assert one("murmur_replica_spread_rms") == 0.0125
     assert one("murmur_clock_offset_seconds") == -12.5
+    assert one("murmur_sync_uplink_too_thin") == 1
     assert one("murmur_recoveries_total", kind="checkfree") == 1
     assert one("murmur_recovery_duration_seconds_sum") == 4.0
     assert one("murmur_recovery_source_weight", source_stage="3") == 0.75
@@ -560,3 +566,12 @@ def test_status_text_says_when_clocks_were_seen_set() -> None:
     assert "clock is 7200s ahead of the swarm's: proofs carry the swarm's time" in format_status(st)
     st["counters"] = {k: v for k, v in st["counters"].items() if k != "peer_clock_steps"}
     assert "clocks seen set" not in format_status(st)
+
+
+def test_node_status_says_when_the_uplink_is_too_thin_to_gossip() -> None:
+    st = head_status()
+    text = format_status(st)
+    said = "uplink too thin to gossip: a contribution takes 14 s to send and a partner waits 12 s"
+    assert said in text
+    st["sync"]["uplink_too_thin"] = False
+    assert "too thin to gossip" not in format_status(st)

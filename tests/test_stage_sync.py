@@ -69,10 +69,11 @@ class NoPeers:
 
 
 def lone_replica(
-    clock: WallClock, round_s: float = ROUND_S
+    clock: WallClock, round_s: float = ROUND_S, uplink_bytes_s: float | None = None
 ) -> tuple[StageSync, StageRunner, list[asyncio.Task[None]]]:
     """A replica of stage 1 on the clock schedule, alone in its table; ``round_s`` 0: the
-    period is derived (``sync.outer_steps`` 10)."""
+    period is derived (``sync.outer_steps`` 10); its uploads get ``uplink_bytes_s`` (None:
+    not known)."""
     config = resolve_config(
         None,
         {},
@@ -113,6 +114,7 @@ def lone_replica(
         RequestGuard(ctx),
         clock_offset=lambda: 0.0,
         published_step_s=lambda: runner.step_s,
+        uplink_bytes_s=lambda: uplink_bytes_s,
     )
     return sync, runner, tasks
 
@@ -279,3 +281,38 @@ def test_the_period_is_derived_from_the_step_times_as_published_its_own_too() ->
     fresh_runner.step_s = 0.45
     fresh.published_step_s = lambda: 0.0
     assert fresh._round_period() is None
+
+
+@pytest.mark.parametrize("mbit", [None, 1.0, 20.0])
+async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_time(
+    mbit: float | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A contribution takes its bytes over the rate this node's uploads get; a partner waits
+    ``sync.request_timeout_s`` (10 s) plus its bytes at ``sync.min_link_mbps`` (10 Mbit/s).
+    Stage 1's contribution here (slow weights and pseudo-gradient, fp32) is about 2.4 MB:
+    19 s at 1 Mbit/s against 12 s given, too thin; 1 s at 20 Mbit/s. Before any rate is
+    known nothing is judged."""
+    clock = WallClock(999_995.0)
+    rate = None if mbit is None else mbit * 125_000
+    sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate)
+    try:
+        sync.poll()
+        inner_steps(runner, 2)
+        sync.poll()
+        await round_at(sync, runner, tasks, clock, 1_000_000.1)
+        nbytes = sum(p.numel() for p in runner.module.parameters()) * 4 * 2
+        status = sync.status()
+        if rate is None:
+            assert status["contribution_send_s"] is None
+        else:
+            assert status["contribution_send_s"] == pytest.approx(nbytes / rate, abs=0.05)
+        assert status["contribution_given_s"] == pytest.approx(10 + nbytes / 1.25e6, abs=0.05)
+        thin = mbit == 1.0
+        assert status["uplink_too_thin"] is thin
+        assert sync.ctx.counters["gossip_uplink_too_thin"] == thin
+        warned = [r for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]
+        assert len(warned) == thin
+        if thin:
+            assert "int8 quarters it" in warned[0].getMessage()
+    finally:
+        runner.close()

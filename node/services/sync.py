@@ -34,6 +34,7 @@ import torch
 
 from node.config import SyncConfig
 from node.context import NodeContext
+from node.logs import RateLimitedLog
 from node.services.guard import RequestGuard
 from node.stage.outer import Offer
 from node.stage.runner import StageRunner
@@ -46,6 +47,9 @@ from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
 
 log = logging.getLogger(__name__)
+
+THIN_GOSSIP_WARNING_EVERY_S = 300.0
+"""How often a replica whose uplink cannot carry its NoLoCo contribution in time says so."""
 
 
 def weight_screen(config: SyncConfig) -> WeightScreen:
@@ -70,16 +74,25 @@ class StageSync:
         *,
         clock_offset: Callable[[], float],
         published_step_s: Callable[[], float],
+        uplink_bytes_s: Callable[[], float | None],
     ) -> None:
         """``clock_offset()``: what to add to this machine's wall clock to read the stage's
         (``swarm.membership.MembershipService.stage_offset_s``). ``published_step_s()``: this
         replica's seconds per inner step as its record last told its partners (0: not yet),
-        the figure the stage's step times are read with (``_step_times``)."""
+        the figure the stage's step times are read with (``_step_times``).
+        ``uplink_bytes_s()``: the rate this node's uploads get, as its hops' receivers report
+        it (None: not known yet; ``node.pipeline.HopSender``)."""
         self.ctx = ctx
         self.runner = runner
         self.guard = guard
         self.clock_offset = clock_offset
         self.published_step_s = published_step_s
+        self.uplink_bytes_s = uplink_bytes_s
+        self.contribution_send_s: float | None = None
+        """Seconds this replica's last NoLoCo contribution takes to upload at that rate."""
+        self.contribution_given_s: float | None = None
+        """Seconds a partner waits for it (``swarm.gossip.GossipConfig``)."""
+        self._thin_log = RateLimitedLog(log, THIN_GOSSIP_WARNING_EVERY_S)
         self.offset_s = 0.0
         """The stage's clock minus this machine's, as last read (seconds)."""
         self._told_offset_s = 0.0
@@ -349,7 +362,9 @@ class StageSync:
         tensors, meta = await self.runner.compute(
             self.runner.outer_contribution, self.config.codec, ref_steps
         )
-        outcome = await self.gossip.exchange(round_, Contribution(tensors, meta))
+        mine = Contribution(tensors, meta)
+        self._judge_uplink(mine.nbytes)
+        outcome = await self.gossip.exchange(round_, mine)
         self.bytes_sent += tensor_bytes(tensors) * outcome.num_sent
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
@@ -376,6 +391,41 @@ class StageSync:
             f"; {steps} inner steps, the stage's usual {ref_steps:.0f}" if ref_steps else "",
             f" (refusals {dict(outcome.refusals)})" if outcome.refusals else "",
         )
+
+    def _judge_uplink(self, nbytes: int) -> None:
+        """Note whether a contribution of ``nbytes`` can reach a partner before it stops
+        waiting: its upload at the rate this node's uploads get against the partner's
+        ``request_timeout_s`` plus its time at ``sync.min_link_mbps``. If it cannot, every
+        exchange it sends ends solo for both, and a partner that accepted its proposal
+        refuses its proposals for ``lapse_ban_s`` after (``swarm.gossip``): this node is
+        counted (``gossip_uplink_too_thin``) and told what would fit."""
+        rate = self.uplink_bytes_s()
+        given_s = self.gossip.config.request_timeout_s + self.gossip.config.transfer_s(nbytes)
+        self.contribution_given_s = given_s
+        self.contribution_send_s = None if not rate else nbytes / rate
+        if not self.uplink_too_thin():
+            return
+        self.ctx.counters["gossip_uplink_too_thin"] += 1
+        assert rate
+        self._thin_log.log(
+            "thin",
+            logging.WARNING,
+            "this node's uplink is too thin for NoLoCo: its contribution (%.1f MB in %s) "
+            "takes %.0f s at the %.2f Mbit/s its uploads get, and a partner waits %.0f s for "
+            "it, so its rounds end solo. A smaller sync.codec (bf16 halves it, int8 quarters "
+            "it) or a lower sync.min_link_mbps (with rounds long enough, sync.round_s) would "
+            "let it pair",
+            nbytes / 1e6,
+            self.config.codec,
+            self.contribution_send_s,
+            rate * 8 / 1e6,
+            given_s,
+        )
+
+    def uplink_too_thin(self) -> bool:
+        """Whether this replica's last NoLoCo contribution could not reach a partner in time."""
+        send_s, given_s = self.contribution_send_s, self.contribution_given_s
+        return send_s is not None and given_s is not None and send_s > given_s
 
     async def _screened(self, partner_id: str, contribution: Contribution) -> Offer | None:
         """The partner's offer if it passes the screen; else None, and the partner is banned."""
@@ -504,7 +554,14 @@ class StageSync:
             "places_clamped": self.runner.places_clamped,
             "clock_offset_s": round(self.offset_s, 3),
             "clock_restarts": self.clock_restarts,
+            "contribution_send_s": _rounded(self.contribution_send_s),
+            "contribution_given_s": _rounded(self.contribution_given_s),
+            "uplink_too_thin": self.uplink_too_thin(),
         }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 CLOCK_BACK_WAIT_S = 30.0
