@@ -31,6 +31,7 @@ from typing import Any
 from node.config import Config, describe, parse_hostport
 from node.context import NodeContext, NodeState
 from node.identity import swarm_auth
+from node.loopwatch import LoopWatch
 from node.metrics import MetricsServer, start_metrics_server
 from node.net.addresses import ANY_HOST, DIRECT, UNKNOWN, announce_host, observed_address
 from node.net.netem import shaped
@@ -118,6 +119,7 @@ class Node:
             first_incarnation=int(time.time() * 1000),  # above any of an earlier life's
         )
         self.counters: Counter[str] = Counter()
+        self.loop_watch = LoopWatch(self.counters)
         self.discovery: ZeroconfDiscovery | None = None
         self._stop = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
@@ -280,6 +282,7 @@ class Node:
             "lr": r.current_lr() if r else 0.0,
             "schedule_step": round(r.schedule_step, 1) if r else 0.0,
             "counters": self._counters_with_table(),
+            "loop": self.loop_watch.status(),
             "peers": peers,
             "stages": {  # every stage known: counted from the table, or a peer's summary
                 str(s.stage): {
@@ -345,7 +348,7 @@ class Node:
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
                 self._heartbeats = tg.create_task(self.membership.run())
-                background = [self._heartbeats]
+                background = [self._heartbeats, tg.create_task(self.loop_watch.run())]
                 if self.congestion.pacer is not None:
                     background.append(tg.create_task(self.congestion.pacer.run()))
                 await self._start_discovery()
@@ -576,7 +579,8 @@ class Node:
             self.counters["backwards_lost_on_move"] += old.num_saved
         self.counters["jobs_dropped_on_move"] += self.work.drop_all()
         await self.take_stage(stage)
-        old.close()
+        # off the loop: closing waits for a job the old stage's thread may still be running
+        await asyncio.to_thread(old.close)
 
     def _after_job(self) -> None:
         """After each compute job: start an outer round or a backup if one is due."""

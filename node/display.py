@@ -67,6 +67,12 @@ def format_status(st: dict[str, Any]) -> str:
         )
     if st["stage"] >= 0 and st["ready"]:
         lines.append(_thermometers(st))
+    loop = st.get("loop")
+    if loop and loop["stalls"]:
+        lines.append(
+            f"  event loop held up {loop['stalls']} time(s), longest {loop['longest_s']:.1f} s: "
+            "the node answered nothing meanwhile (its log says where)"
+        )
     wire = st.get("wire")
     if wire and st["stage"] >= 0:
         how = ""

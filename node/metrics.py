@@ -57,6 +57,11 @@ _NAMED_COUNTERS = {
     "job_errors": ("murmur_job_errors", "Queued compute jobs that raised."),
     "send_errors": ("murmur_send_errors", "Sends that raised after their computation."),
     "non_finite_loss": ("murmur_non_finite_loss", "Microbatches whose loss was NaN or infinite."),
+    "loop_stalls": (
+        "murmur_loop_stalls",
+        "Times the event loop was held up 2 s or more: the node answered nothing meanwhile "
+        "(its log names the code that held it).",
+    ),
     "loss_spikes_skipped": (
         "murmur_loss_spikes_skipped",
         "Microbatches not trained on: their loss spiked or was not finite (counted as dropped).",

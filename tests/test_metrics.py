@@ -65,6 +65,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_job_errors": ("counter", set()),
     "murmur_send_errors": ("counter", set()),
     "murmur_non_finite_loss": ("counter", set()),
+    "murmur_loop_stalls": ("counter", set()),
     "murmur_loss_spikes_skipped": ("counter", set()),
     "murmur_grad_norm_preclip": ("gauge", {"stage"}),
     "murmur_inner_steps_skipped": ("counter", {"stage"}),
@@ -208,7 +209,9 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "weights_refused:gossip:too_far": 2,
             "peers_banned": 1,
             "peer_clock_steps": 2,
+            "loop_stalls": 3,
         },
+        "loop": {"stalls": 3, "longest_s": 6.2},
         "peers": {
             "0": [],
             "1": [peer(0, 1, 30.0), peer(1, 1, 20.0, ready=False)],
@@ -575,3 +578,13 @@ def test_node_status_says_when_the_uplink_is_too_thin_to_gossip() -> None:
     assert said in text
     st["sync"]["uplink_too_thin"] = False
     assert "too thin to gossip" not in format_status(st)
+
+
+def test_node_status_and_metrics_say_when_the_event_loop_was_held_up() -> None:
+    st = head_status()
+    said = "event loop held up 3 time(s), longest 6.2 s: the node answered nothing meanwhile"
+    assert said in format_status(st)
+    st["loop"] = {"stalls": 0, "longest_s": 0.0}
+    assert "held up" not in format_status(st)
+    text = scrape(FakeNode(head_status()))
+    assert "murmur_loop_stalls_total 3.0" in text
