@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 from node.data.dataset import DataConfig
 from node.stage.model import ModelConfig, preset
-from protocol.quant import Codec
 from swarm.balance import TRANSIT_LIMIT_S
 from swarm.membership import MembershipConfig
 from swarm.recovery import RecoveryMethod
@@ -40,7 +39,7 @@ OuterSchedule = Literal["clock", "steps"]
 ComputeDtype = Literal["float32", "bfloat16"]
 InFlightPolicy = Literal["fixed", "adaptive"]
 Staleness = Literal["stash", "2bw"]
-WireCodec = Literal["fp32", "bf16", "int8", "auto"]
+CodecSetting = Literal["fp32", "bf16", "int8", "auto"]
 
 
 def choices(kind: Any) -> tuple[str, ...]:
@@ -187,7 +186,7 @@ class TrainConfig:
     """Samples whose gradients a replica accumulates before one inner optimizer step."""
     compute_dtype: ComputeDtype = "float32"
     """Matmul dtype: float32 or bfloat16 (norms, softmax and loss stay fp32)."""
-    wire_codec: WireCodec = "auto"
+    wire_codec: CodecSetting = "auto"
     """Activation and gradient encoding on the wire: fp32, bf16 or int8 (blockwise); or
     ``auto``: bf16 while this node's link keeps up with its compute, int8 when it does not
     (``swarm.wirecodec``)."""
@@ -303,8 +302,12 @@ class SyncConfig:
     """DiLoCo outer learning rate (Nesterov SGD)."""
     diloco_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum."""
-    codec: Codec = "fp32"
-    """Encoding of gossiped weights and all-reduce chunks: fp32, bf16 or int8 (blockwise)."""
+    codec: CodecSetting = "fp32"
+    """Encoding of gossiped weights and all-reduce chunks: fp32, bf16, int8 (blockwise), or
+    auto: for each round the most precise of these whose transfer crosses this node's uplink
+    (at the rate its hops get) before its receiver stops waiting (sync.request_timeout_s or
+    sync.ring_step_timeout_s plus its size at sync.min_link_mbps); fp32 until the rate is
+    measured (``swarm.wirecodec.sync_codec``)."""
     request_timeout_s: float = 10.0
     """Deadline of one gossip request (including the time it may be held by the partner)."""
     hold_s: float = 5.0

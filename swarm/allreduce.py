@@ -204,7 +204,11 @@ class RingAllReduce:
 
     def _step_s(self, tensors: Mapping[str, torch.Tensor]) -> float:
         """Time allowed for one step that moves ``tensors`` (its neighbour's are as large)."""
-        nbytes = tensor_bytes(tensors)
+        return self.allowed_s(tensor_bytes(tensors))
+
+    def allowed_s(self, nbytes: float) -> float:
+        """Time a member waits for a chunk of ``nbytes``: ``step_timeout_s`` plus its size
+        at ``min_rate_bytes_s``."""
         rate = self.min_rate_bytes_s
         return self.step_timeout_s + (nbytes / rate if rate > 0 else 0.0)
 

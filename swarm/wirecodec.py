@@ -41,12 +41,21 @@ nothing against it in ``bench/perf.py``); a fixed ``train.wire_codec`` bypasses 
 Measured in ``bench/README.md``: at 20 Mbit/s ``auto`` carried 0.99 of fixed int8's
 tokens/s (1.99x bf16's), at 100 Mbit/s 1.09x bf16's; on loopback every node keeps bf16.
 
+Outer synchronisation (``sync.codec = auto``) chooses by the same rate with another test
+(``sync_codec``): a NoLoCo contribution or a ring chunk has no compute time to hide behind;
+it must reach its receiver before the receiver stops waiting for it (``swarm.gossip``,
+``swarm.allreduce``: a fixed timeout plus its size at the slowest link waited for). So the
+node takes the most precise of ``SYNC_CANDIDATES`` whose payload crosses its uplink within
+that allowance, fp32 while its rate is unknown (the published rules exchange full-precision
+weights), the most compact when none does.
+
 Pure policy: numbers in, a codec name out; no clock needed (rates come with their samples).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.quant import bytes_per_value
@@ -55,6 +64,8 @@ CANDIDATES: tuple[str, ...] = ("bf16", "int8")
 """Codecs ``auto`` chooses from, most precise first."""
 MIN_TIMED_BYTES = 64 * 1024
 """Bodies smaller than this arrive with their headers: their time says nothing of the link."""
+SYNC_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "int8")
+"""Codecs ``sync.codec = auto`` chooses from, most precise first."""
 UP_MARGIN = 0.5
 """A more precise codec is taken back only when its payload would take this fraction of a
 job's compute time or less."""
@@ -148,3 +159,17 @@ class CodecChoice:
             self.codec = CANDIDATES[want]
             self.num_switches += 1
         return self.codec
+
+
+def sync_codec(numel: int, rate_bytes_s: float | None, allowed_s: Callable[[float], float]) -> str:
+    """The codec for an outer-sync transfer of ``numel`` values from a node whose uploads
+    get ``rate_bytes_s`` (None: not measured yet): the most precise of ``SYNC_CANDIDATES``
+    whose payload ``n`` arrives in time, ``n / rate <= allowed_s(n)`` (what the receiver
+    waits for ``n`` bytes); the most compact when none does; fp32 while the rate is unknown."""
+    if rate_bytes_s is None or not is_rate(rate_bytes_s):
+        return SYNC_CANDIDATES[0]
+    for codec in SYNC_CANDIDATES:
+        n = payload_bytes(codec, numel)
+        if n / rate_bytes_s <= allowed_s(n):
+            return codec
+    return SYNC_CANDIDATES[-1]

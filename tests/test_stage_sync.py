@@ -31,7 +31,7 @@ from node.services.guard import RequestGuard
 from node.services.sync import CLOCK_BACK_WAIT_S, StageSync
 from node.stage.runner import StageRunner
 from protocol.messages import Message, PeerRecord, RingChunk
-from protocol.quant import encode_tensor
+from protocol.quant import bytes_per_value, encode_tensor
 from swarm.peers import PeerTable
 from swarm.routing import Router
 
@@ -69,11 +69,14 @@ class NoPeers:
 
 
 def lone_replica(
-    clock: WallClock, round_s: float = ROUND_S, uplink_bytes_s: float | None = None
+    clock: WallClock,
+    round_s: float = ROUND_S,
+    uplink_bytes_s: float | None = None,
+    settings: dict[str, str] | None = None,
 ) -> tuple[StageSync, StageRunner, list[asyncio.Task[None]]]:
     """A replica of stage 1 on the clock schedule, alone in its table; ``round_s`` 0: the
     period is derived (``sync.outer_steps`` 10); its uploads get ``uplink_bytes_s`` (None:
-    not known)."""
+    not known); ``settings`` on top."""
     config = resolve_config(
         None,
         {},
@@ -84,6 +87,7 @@ def lone_replica(
             "sync.round_s": str(round_s),
             "sync.outer_steps": "10",
             "sync.share_schedule": "false",
+            **(settings or {}),
         },
     )
     runner = StageRunner(config, 1)
@@ -289,9 +293,9 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
 ) -> None:
     """A contribution takes its bytes over the rate this node's uploads get; a partner waits
     ``sync.request_timeout_s`` (10 s) plus its bytes at ``sync.min_link_mbps`` (10 Mbit/s).
-    Stage 1's contribution here (slow weights and pseudo-gradient, fp32) is about 2.4 MB:
-    19 s at 1 Mbit/s against 12 s given, too thin; 1 s at 20 Mbit/s. Before any rate is
-    known nothing is judged."""
+    Stage 1's contribution here (slow weights and pseudo-gradient, fp32) is 3.2 MB: 26 s at
+    1 Mbit/s against 12.6 s given, too thin; 1.3 s at 20 Mbit/s. Before any rate is known
+    nothing is judged."""
     clock = WallClock(999_995.0)
     rate = None if mbit is None else mbit * 125_000
     sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate)
@@ -314,5 +318,48 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
         assert len(warned) == thin
         if thin:
             assert "int8 quarters it" in warned[0].getMessage()
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    "mbit, codec, thin",
+    [
+        (None, "fp32", False),
+        (20.0, "fp32", False),
+        (1.5, "bf16", False),
+        (1.0, "int8", False),
+        (0.4, "int8", True),
+    ],
+)
+async def test_sync_codec_auto_sends_the_most_precise_contribution_that_arrives_in_time(
+    mbit: float | None, codec: str, thin: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stage 1 here has 401,920 weights: its contribution (slow weights and pseudo-gradient)
+    is 3.2 MB in fp32, 1.6 MB in bf16, 0.81 MB in int8; a partner waits 10 s plus its bytes
+    at 10 Mbit/s. At 1.5 Mbit/s fp32 takes 17.1 s (given 12.6 s), bf16 8.6 s (given 11.3 s):
+    bf16. At 1 Mbit/s bf16 takes 12.9 s, int8 6.4 s (given 10.6 s): int8. At 0.4 Mbit/s int8
+    takes 16.1 s: nothing fits, so the most compact, and the node is told that only a lower
+    sync.min_link_mbps would let it pair. Before a rate is known: fp32, the published rule."""
+    clock = WallClock(999_995.0)
+    rate = None if mbit is None else mbit * 125_000
+    sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate, settings={"sync.codec": "auto"})
+    try:
+        sync.poll()
+        inner_steps(runner, 2)
+        sync.poll()
+        await round_at(sync, runner, tasks, clock, 1_000_000.1)
+        numel = 2 * sum(p.numel() for p in runner.module.parameters())
+        status = sync.status()
+        assert (status["codec"], status["codec_setting"]) == (codec, "auto")
+        assert status["uplink_too_thin"] is thin
+        if rate is not None:  # what was judged is what was encoded: the chosen codec's bytes
+            sent = status["contribution_send_s"] * rate
+            assert sent == pytest.approx(numel * bytes_per_value(codec), rel=0.01, abs=rate * 0.05)
+        warned = [r.getMessage() for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]
+        assert len(warned) == thin
+        if thin:
+            assert "in int8" in warned[0] and "A lower sync.min_link_mbps" in warned[0]
+            assert "sync.codec = auto" not in warned[0]
     finally:
         runner.close()

@@ -20,6 +20,7 @@ from swarm.wirecodec import (
     CodecChoice,
     arrival_rate,
     payload_bytes,
+    sync_codec,
 )
 from tests.test_hostile import forward, start_node
 
@@ -243,3 +244,22 @@ async def test_a_node_whose_uplink_is_too_thin_for_its_microbatches_is_told(
         assert "uplink too thin: one tensor takes 5.3 s" in format_status(node.status())
     finally:
         await node.close()
+
+
+@pytest.mark.parametrize(
+    "rate, codec",
+    [
+        (None, "fp32"),  # not measured yet: the published rules' full precision
+        (0.0, "fp32"),
+        (math.nan, "fp32"),
+        (1e6, "fp32"),  # 4 MB in 4 s, 13.2 s given
+        (2.5e5, "bf16"),  # fp32 16 s > 13.2 s; bf16 8 s <= 11.6 s
+        (1.2e5, "int8"),  # bf16 16.7 s > 11.6 s; int8 (1,001,953 B) 8.35 s <= 10.8 s
+        (5e4, "int8"),  # int8 20 s > 10.8 s: nothing fits, the most compact
+    ],
+)
+def test_sync_codec_takes_the_most_precise_payload_that_arrives_before_the_wait_ends(
+    rate: float | None, codec: str
+) -> None:
+    """A million values; the receiver waits 10 s plus the payload at 10 Mbit/s."""
+    assert sync_codec(1_000_000, rate, lambda n: 10.0 + n / 1.25e6) == codec

@@ -45,6 +45,7 @@ from swarm.gossip import Contribution, GossipConfig, GossipService
 from swarm.schedule import PACE_ROUNDS, round_period, round_share
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
+from swarm.wirecodec import SYNC_CANDIDATES, sync_codec
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class StageSync:
         self.contribution_given_s: float | None = None
         """Seconds a partner waits for it (``swarm.gossip.GossipConfig``)."""
         self._thin_log = RateLimitedLog(log, THIN_GOSSIP_WARNING_EVERY_S)
+        self.codec = "fp32" if ctx.config.sync.codec == "auto" else ctx.config.sync.codec
+        """The codec of this replica's last outer-sync transfer (``sync.codec``, or what
+        ``auto`` chose for it)."""
         self.offset_s = 0.0
         """The stage's clock minus this machine's, as last read (seconds)."""
         self._told_offset_s = 0.0
@@ -149,7 +153,7 @@ class StageSync:
             ctx.transport,
             ctx.clock,
             ctx.peer_id,
-            codec=self.config.codec,
+            codec="fp32" if self.config.codec == "auto" else self.config.codec,
             step_timeout_s=self.config.ring_step_timeout_s,
             max_held_bytes=self.config.ring_inbox_bytes,
             min_rate_bytes_s=self.config.min_link_mbps * 125_000,
@@ -359,11 +363,10 @@ class StageSync:
     async def _noloco(self, round_: int, share: float) -> None:
         ref_steps = self._ref_steps(share)
         steps = self.runner.round_steps  # held: no inner step until the round ends
-        tensors, meta = await self.runner.compute(
-            self.runner.outer_contribution, self.config.codec, ref_steps
-        )
+        codec = self._codec(2 * self.runner.outer.phi.numel(), self._gossip_given_s)
+        tensors, meta = await self.runner.compute(self.runner.outer_contribution, codec, ref_steps)
         mine = Contribution(tensors, meta)
-        self._judge_uplink(mine.nbytes)
+        self._judge_uplink(mine.nbytes, codec)
         outcome = await self.gossip.exchange(round_, mine)
         self.bytes_sent += tensor_bytes(tensors) * outcome.num_sent
         offer = None
@@ -392,15 +395,36 @@ class StageSync:
             f" (refusals {dict(outcome.refusals)})" if outcome.refusals else "",
         )
 
-    def _judge_uplink(self, nbytes: int) -> None:
+    def _codec(self, numel: int, allowed_s: Callable[[float], float]) -> str:
+        """``sync.codec``; with ``auto``, the most precise one in which ``numel`` values cross
+        this node's uplink within ``allowed_s`` of their bytes (``swarm.wirecodec``)."""
+        if self.config.codec != "auto":
+            return self.config.codec
+        codec = sync_codec(numel, self.uplink_bytes_s(), allowed_s)
+        if codec != self.codec:
+            log.info(
+                "sync.codec auto: %s for outer rounds from now (%d values a transfer, "
+                "uploads get %.2f Mbit/s)",
+                codec,
+                numel,
+                (self.uplink_bytes_s() or 0.0) * 8 / 1e6,
+            )
+            self.codec = codec
+        return codec
+
+    def _gossip_given_s(self, nbytes: float) -> float:
+        """How long a NoLoCo partner waits for a contribution of ``nbytes``."""
+        return self.gossip.config.request_timeout_s + self.gossip.config.transfer_s(int(nbytes))
+
+    def _judge_uplink(self, nbytes: int, codec: str) -> None:
         """Note whether a contribution of ``nbytes`` can reach a partner before it stops
         waiting: its upload at the rate this node's uploads get against the partner's
         ``request_timeout_s`` plus its time at ``sync.min_link_mbps``. If it cannot, every
         exchange it sends ends solo for both, and a partner that accepted its proposal
-        refuses its proposals for ``lapse_ban_s`` after (``swarm.gossip``): this node is
-        counted (``gossip_uplink_too_thin``) and told what would fit."""
+        refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``): this
+        node is counted (``gossip_uplink_too_thin``) and told what would fit."""
         rate = self.uplink_bytes_s()
-        given_s = self.gossip.config.request_timeout_s + self.gossip.config.transfer_s(nbytes)
+        given_s = self._gossip_given_s(nbytes)
         self.contribution_given_s = given_s
         self.contribution_send_s = None if not rate else nbytes / rate
         if not self.uplink_too_thin():
@@ -412,14 +436,18 @@ class StageSync:
             logging.WARNING,
             "this node's uplink is too thin for NoLoCo: its contribution (%.1f MB in %s) "
             "takes %.0f s at the %.2f Mbit/s its uploads get, and a partner waits %.0f s for "
-            "it, so its rounds end solo. A smaller sync.codec (bf16 halves it, int8 quarters "
-            "it) or a lower sync.min_link_mbps (with rounds long enough, sync.round_s) would "
-            "let it pair",
+            "it, so its rounds end solo. %s",
             nbytes / 1e6,
-            self.config.codec,
+            codec,
             self.contribution_send_s,
             rate * 8 / 1e6,
             given_s,
+            "A lower sync.min_link_mbps on every replica (with rounds long enough to carry it, "
+            "sync.round_s) would let it pair"
+            if codec == SYNC_CANDIDATES[-1]
+            else "sync.codec = auto (the codec that fits: bf16 halves it, int8 quarters it) "
+            "or a lower sync.min_link_mbps on every replica (with rounds long enough, "
+            "sync.round_s) would let it pair",
         )
 
     def uplink_too_thin(self) -> bool:
@@ -460,6 +488,7 @@ class StageSync:
         none). ``clock_round``: this round's boundary on the clock schedule; a partner's
         chunk for a later boundary ends the round at once (see ``_newer_clock_round``)."""
         members = self.members()
+        self.ring.codec = self._codec(flat.numel() // len(members), self.ring.allowed_s)
         sent0, recv0 = self.ring.bytes_sent, self.ring.bytes_received
         try:
             ring = asyncio.ensure_future(
@@ -536,6 +565,8 @@ class StageSync:
     def status(self) -> dict[str, Any]:
         return {
             "method": self.method,
+            "codec": self.codec,
+            "codec_setting": self.config.codec,
             "outer_steps": self.runner.outer_rounds,
             "schedule": self.config.schedule if self.method in ("noloco", "diloco") else "steps",
             "round_s": self._round_period() if self.clocked else None,

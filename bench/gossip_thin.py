@@ -1,0 +1,139 @@
+"""NoLoCo between a public replica and one behind a thin uplink: fixed fp32 against ``auto``.
+
+A public head and two replicas of the one block stage (``node join``, real processes): one
+public, one NATed behind a router namespace whose uplink is a token bucket of ``--mbit``
+Mbit/s with a 1 s queue (``tests.netns.Lab.cap_router_uplink``), so it serves through a
+relay. The stage's NoLoCo contribution (slow weights and pseudo-gradient) is 9.6 MB in
+fp32; a partner waits ``sync.request_timeout_s`` (10 s) plus its size at
+``sync.min_link_mbps`` (10 Mbit/s) for it. The NATed replica's hops share its uplink with
+its gossip, so its uploads get well under the cap.
+
+For each ``sync.codec`` of ``--codecs`` in turn (the same on both replicas), ``--measure-s``
+seconds from the moment both serve: each replica's rounds (paired, solo), what its status
+says of its uplink (the contribution's seconds to send against a partner's wait), the codec
+its last round used, and the head's completed microbatches. Writes
+``bench/results/gossip_thin.json``.
+
+Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]``
+(as root: network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def say(text: str) -> None:
+    print(f"[gossip_thin {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) -> dict[str, Any]:
+    """One swarm with ``sync.codec = codec`` on both replicas, the NATed one behind ``mbit``."""
+    from tests.helpers import wait_for
+    from tests.netns import Lab
+    from tests.test_nat import PORT, join, ready_status, status_of
+
+    logs.mkdir(parents=True, exist_ok=True)
+    sync = ("sync.method=noloco", f"sync.round_s={round_s:g}", f"sync.codec={codec}")
+    with Lab.create(2) as lab:
+        head_host, public = lab.hosts
+        natted = lab.add_natted()
+        lab.cap_router_uplink(lab.routers[-1], mbit, 1000)
+        swarm = f"gossip-{secrets.token_hex(3)}"
+        head = f"{head_host.address}:{PORT}"
+        outs = [
+            join(head_host, "0", None, logs / "head.log", swarm, sync),
+            join(public, "1", head, logs / "public.log", swarm, sync),
+            join(
+                natted, "1", head, logs / "natted.log", swarm, (*sync, "net.tcp_congestion=cubic")
+            ),
+        ]
+        try:
+            for host in (public, natted):
+                wait_for(lambda h=host: ready_status(h), 180, "both replicas to serve")
+            done0, t0 = _completed(status_of(head_host)), time.monotonic()
+            time.sleep(measure_s)
+            elapsed = time.monotonic() - t0
+            replicas = {name: status_of(h) for name, h in (("public", public), ("natted", natted))}
+            done = _completed(status_of(head_host)) - done0
+        finally:
+            lab.close()
+            for out in outs:
+                out.close()
+    row: dict[str, Any] = {
+        "codec_setting": codec,
+        "mbit": mbit,
+        "measure_s": round(elapsed, 1),
+        "head_microbatches": done,
+    }
+    for name, st in replicas.items():
+        s = st["sync"]
+        rounds = s["rounds"]
+        paired, solo = int(rounds.get("paired", 0)), int(rounds.get("solo", 0))
+        row[name] = {
+            "paired": paired,
+            "solo": solo,
+            "paired_fraction": paired / max(1, paired + solo),
+            "codec": s.get("codec"),
+            "contribution_send_s": s["contribution_send_s"],
+            "contribution_given_s": s["contribution_given_s"],
+            "uplink_too_thin": s["uplink_too_thin"],
+            "link_mbit": st["wire"]["link_mbps"],
+            "spread_rms_mean": s["spread_rms_mean"],
+        }
+    return row
+
+
+def _completed(st: dict[str, Any]) -> int:
+    return int(st["counters"].get("microbatches_completed", 0))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mbit", type=float, default=5.0)
+    p.add_argument("--measure-s", type=float, default=240.0)
+    p.add_argument("--round-s", type=float, default=30.0)
+    p.add_argument("--codecs", nargs="+", default=["fp32", "auto"])
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--logs", type=Path, default=Path("/tmp/gossip_thin"))
+    args = p.parse_args(argv)
+    rows = []
+    for codec in args.codecs:
+        say(f"sync.codec {codec}, NATed replica behind {args.mbit:g} Mbit/s")
+        row = live(codec, args.mbit, args.measure_s, args.round_s, args.logs / codec)
+        for name in ("public", "natted"):
+            r = row[name]
+            say(
+                f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired, last in "
+                f"{r['codec']}, send {r['contribution_send_s']} s against "
+                f"{r['contribution_given_s']} s given, link {r['link_mbit']} Mbit/s"
+            )
+        say(f"  head: {row['head_microbatches']} microbatches in {row['measure_s']} s")
+        rows.append(row)
+    from bench.ab import short_rev
+
+    result = {
+        "commit": short_rev(),
+        "params": {
+            "mbit": args.mbit,
+            "measure_s": args.measure_s,
+            "round_s": args.round_s,
+            "uplink": "kernel token bucket, 1 s queue, on the NATed replica's router",
+        },
+        "runs": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gossip_thin.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
