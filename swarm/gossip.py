@@ -20,6 +20,9 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    - ``not_ready``: the partner is behind and did not reach ``r`` in time; it too may be
      asked again;
    - ``stale``: the partner is past round ``r``; it is excluded for the round;
+   - ``lapsed``: this replica's last promised contribution never reached the partner:
+     it sends its contribution in one request at once (point 4), then excludes the
+     partner for the round;
    - a timeout or an unreachable partner (it died, perhaps mid-exchange): excluded;
    before each new attempt it listens again, so a replica that was refused can still be
    claimed by someone else.
@@ -35,10 +38,16 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
      (each finds its own proposal out *to that very sender*) settle it by peer id: the
      larger accepts, the smaller answers ``busy`` and its own proposal is the one accepted,
      so they pair once and each contribution travels once. A promise whose contribution
-     does not come in time lapses, and that proposer's proposals are refused for
-     ``lapse_ban_s`` (counted in ``num_lapsed``): a member that proposes and never sends
-     holds one round up for that long at most, once (it may still be proposed to: a
-     replica that died mid-exchange and came back can pair meanwhile);
+     does not come in time lapses, and that proposer's proposals are refused with
+     ``lapsed`` for ``lapse_ban_s`` (counted in ``num_lapsed``): a member that proposes and
+     never sends holds one round up for that long at most, once. A refused proposer is
+     not shut out: it sends its contribution at once in one unannounced request, which is
+     taken like any contribution without a promise (below) and holds nobody up, and asks
+     that replica no more that round whatever the answer (it may still be proposed to: a
+     replica that died mid-exchange and came back can pair meanwhile). Honest replicas
+     lapse too, on an uplink slower than the allowance: two such replicas that had each
+     let the other's promise lapse refused each other's proposals as ``busy`` for ten
+     minutes, live, over a hundred times a round, and paired in no round (``bench/gossip_thin.py``);
    - seeking ``r`` but paired, promised to another, or proposing to a third replica:
      ``busy`` (so three replicas that choose each other in a cycle all hear ``busy`` and
      move on: no deadlock);
@@ -287,9 +296,10 @@ class GossipService:
             propose = GossipRequest(
                 stage=self.stage, round=round_, sender=self.self_id, meta={}, propose=True
             )
-            accepted = await self._request(peer, propose, deadline, outcome)
-            if isinstance(accepted, str):
-                return accepted  # refused
+            answer = await self._request(peer, propose, deadline, outcome)
+            lapsed = answer == "lapsed"  # no promise for us there: ours goes unannounced
+            if isinstance(answer, str) and not lapsed:
+                return answer  # refused
             if partner.done():
                 return None  # it sent us its contribution itself (a one-message exchange)
             request = GossipRequest(
@@ -305,7 +315,7 @@ class GossipService:
             transfer_s = self.config.request_timeout_s + self.config.transfer_s(2 * mine.nbytes)
             reply = await self._request(peer, request, deadline, outcome, transfer_s)
             if isinstance(reply, str):
-                return reply
+                return "lapsed" if lapsed else reply  # not asked again this round
         finally:
             self._target = None
         if not partner.done():
@@ -372,12 +382,19 @@ class GossipService:
             )
         if req.propose:
             if self._lapsed.get(req.sender, -math.inf) > self.clock.now():
-                raise Refused("busy", f"round {req.round}: your last proposal lapsed here", 409)
+                raise Refused(
+                    "lapsed",
+                    f"round {req.round}: your last promised contribution never came here; "
+                    "send yours with the request (no promise is given)",
+                    409,
+                )
             if self._target == req.sender and self.self_id < req.sender:
                 # we proposed to each other: the larger id accepts, so only ours stands
                 raise Refused("busy", f"round {req.round}: our own proposal to you stands", 409)
             self._promised = req.sender
-            # its contribution is as large as ours (same stage, same codec): allow its upload
+            # its contribution is as large as ours (same stage; with sync.codec = auto a
+            # partner on a faster uplink may send a larger codec, which that uplink carries
+            # sooner): allow its upload
             assert self._mine is not None
             self._promise_until = (
                 self.clock.now()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protocol.errors import MalformedMessage
-from protocol.messages import Ack, GossipRequest, Hop, Message, PeerRecord, RingChunk
+from protocol.messages import Ack, GossipReply, GossipRequest, Hop, Message, PeerRecord, RingChunk
 from protocol.quant import encode_tensor
 from swarm.allreduce import RingAllReduce, RingFailed, chunk_bounds, ring_steps
 from swarm.gossip import Contribution, GossipConfig, GossipService
@@ -140,6 +140,25 @@ async def test_ring_side_values_are_averaged_exactly_beside_an_int8_tensor(n: in
     for mean, side in results:
         assert torch.allclose(mean, torch.full((300,), (n - 1) / 2), atol=0.05)
         assert side == [5.0 * (n + 1), 1e9 + (n - 1) / 2]
+
+
+async def test_ring_members_that_chose_different_codecs_still_agree_on_the_mean() -> None:
+    """With ``sync.codec = auto`` each member encodes its chunks in the codec its own uplink
+    allows; a receiver decodes whatever a chunk declares, so a ring of fp32, bf16 and int8
+    members still computes the mean (values 0, 1, 2: mean 1, within int8's step)."""
+    net = Net()
+    codecs = ["fp32", "bf16", "int8"]
+    members = [Hop(1, f"p{i}", f"a{i}") for i in range(3)]
+    for m, codec in zip(members, codecs, strict=True):
+        net.rings[m.address] = RingAllReduce(net, MonotonicClock(), m.peer_id, codec=codec)
+    results = await asyncio.gather(
+        *(
+            net.rings[m.address].allreduce("r", members, torch.full((300,), float(k)))
+            for k, m in enumerate(members)
+        )
+    )
+    for mean in results:
+        assert torch.allclose(mean, torch.ones(300), atol=0.02)
 
 
 async def test_a_ring_member_without_side_values_leaves_every_member_without_a_mean() -> None:
@@ -391,7 +410,7 @@ async def test_a_proposer_whose_promise_lapsed_is_refused_until_its_ban_ends() -
     grows with its size, so one member must not hold round after round up that long."""
     net = Net()
     _, b = make_gossip(  # p0 never takes part: b stays seeking
-        net, 2, request_timeout_s=0.2, round_deadline_s=0.6, lapse_ban_s=1.5
+        net, 2, request_timeout_s=0.2, round_deadline_s=1.0, lapse_ban_s=1.5
     )
     b_round = asyncio.ensure_future(b.exchange(0, contrib(1)))
     await asyncio.sleep(0)
@@ -399,15 +418,17 @@ async def test_a_proposer_whose_promise_lapsed_is_refused_until_its_ban_ends() -
     await b.handle_request(propose)
     await asyncio.sleep(0.4)  # p9 never sends
     ban_ends = time.monotonic() + 1.5  # it lapsed 0.2 s ago: at most this
+    while b._target is not None:  # b asks p0 now and then: a proposal then hears busy
+        await asyncio.sleep(0.001)
     with pytest.raises(Refused) as info:
         await b.handle_request(propose)
-    assert info.value.code == "busy" and b.num_lapsed == 1
+    assert info.value.code == "lapsed" and b.num_lapsed == 1
     assert (await b_round).partner_id is None
     b_round = asyncio.ensure_future(b.exchange(1, contrib(1)))  # the next round: still refused
     await asyncio.sleep(0)
     with pytest.raises(Refused) as info:
         await b.handle_request(dataclasses.replace(propose, round=1))
-    assert info.value.code == "busy"
+    assert info.value.code == "lapsed"
     await b_round
     await asyncio.sleep(ban_ends - time.monotonic())  # the ban is over: accepted again
     b_round = asyncio.ensure_future(b.exchange(2, contrib(1)))
@@ -415,6 +436,56 @@ async def test_a_proposer_whose_promise_lapsed_is_refused_until_its_ban_ends() -
     accept = await b.handle_request(dataclasses.replace(propose, round=2))
     assert accept.meta == {}
     await b_round
+
+
+async def test_replicas_that_let_each_others_promises_lapse_still_pair_unannounced() -> None:
+    """Honest replicas on a thin uplink lapse too. Two that each let the other's promise
+    lapse refuse each other's proposals for ``lapse_ban_s`` (live: ten minutes, no round
+    paired, over a hundred refusals a round). Refused with ``lapsed``, a proposer sends its
+    contribution in one request, which its partner takes without a promise: they pair, at
+    the cost of one proposal each, and nobody is held up waiting."""
+    net = Net()
+    a, b = make_gossip(net, 2, request_timeout_s=0.2, round_deadline_s=1.0, lapse_ban_s=60.0)
+    # round 0: each accepts the other's proposal and waits for a contribution that never comes
+    for me, other in ((a, b), (b, a)):
+        me_round = asyncio.ensure_future(me.exchange(0, contrib(0)))
+        await asyncio.sleep(0)
+        await me.handle_request(
+            GossipRequest(stage=1, round=0, sender=other.self_id, meta={}, propose=True)
+        )
+        assert (await me_round).partner_id is None and me.num_lapsed == 1
+    ra, rb = await asyncio.gather(a.exchange(1, contrib(0)), b.exchange(1, contrib(1)))
+    assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+    assert ra.contribution is not None and ra.contribution.meta == {"who": 1}
+    assert rb.contribution is not None and rb.contribution.meta == {"who": 0}
+    # each proposal was refused as lapsed at most once, and no refusal was a busy one
+    assert ra.refusals.get("lapsed", 0) + rb.refusals.get("lapsed", 0) <= 2
+    assert not ra.refusals.get("busy") and not rb.refusals.get("busy")
+
+
+async def test_a_lapsed_proposer_whose_unannounced_contribution_is_refused_asks_no_more() -> None:
+    """A replica refused as ``lapsed`` whose one-message contribution is refused too (its
+    partner is promised to another) does not ask that partner again in the round."""
+    net = Net()
+    a, b = make_gossip(net, 2, request_timeout_s=0.2, round_deadline_s=0.8, lapse_ban_s=60.0)
+    b_round = asyncio.ensure_future(b.exchange(0, contrib(1)))
+    await asyncio.sleep(0)
+    await b.handle_request(GossipRequest(stage=1, round=0, sender="p0", meta={}, propose=True))
+    await b_round  # a's promise lapsed at b
+    proposals = b.handle_request
+
+    async def takes_proposals_only(req: GossipRequest) -> GossipReply:
+        if not req.propose:  # as if b had been claimed by another replica meanwhile
+            raise Refused("busy", "promised to another replica")
+        return await proposals(req)
+
+    b.handle_request = takes_proposals_only  # type: ignore[method-assign]
+    net.dead.add("a0")  # and b's own proposals to a go unanswered
+    b_round = asyncio.ensure_future(b.exchange(1, contrib(1)))
+    ra = await a.exchange(1, contrib(0))
+    await b_round
+    assert ra.partner_id is None
+    assert ra.num_attempts == 1 and ra.refusals == {"lapsed": 1, "busy": 1}
 
 
 async def test_odd_replica_out_goes_solo_and_nobody_deadlocks() -> None:
