@@ -25,6 +25,7 @@ import json
 import secrets
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) 
         ]
         try:
             for host in (public, natted):
-                wait_for(lambda h=host: ready_status(h), 180, "both replicas to serve")
+                wait_for(partial(ready_status, host), 180, "both replicas to serve")
             done0, t0 = _completed(status_of(head_host)), time.monotonic()
             time.sleep(measure_s)
             elapsed = time.monotonic() - t0

@@ -94,7 +94,7 @@ class StageSync:
         self.contribution_given_s: float | None = None
         """Seconds a partner waits for it (``swarm.gossip.GossipConfig``)."""
         self._thin_log = RateLimitedLog(log, THIN_GOSSIP_WARNING_EVERY_S)
-        self.codec = "fp32" if ctx.config.sync.codec == "auto" else ctx.config.sync.codec
+        self.codec: str = "fp32" if ctx.config.sync.codec == "auto" else ctx.config.sync.codec
         """The codec of this replica's last outer-sync transfer (``sync.codec``, or what
         ``auto`` chose for it)."""
         self.offset_s = 0.0
