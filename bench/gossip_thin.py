@@ -40,7 +40,7 @@ def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) 
     """One swarm with ``sync.codec = codec`` on both replicas, the NATed one behind ``mbit``."""
     from tests.helpers import wait_for
     from tests.netns import Lab
-    from tests.test_nat import PORT, join, ready_status, status_of
+    from tests.test_nat import PORT, completed, join, ready_status, status_of
 
     logs.mkdir(parents=True, exist_ok=True)
     sync = ("sync.method=noloco", f"sync.round_s={round_s:g}", f"sync.codec={codec}")
@@ -60,11 +60,11 @@ def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) 
         try:
             for host in (public, natted):
                 wait_for(partial(ready_status, host), 180, "both replicas to serve")
-            done0, t0 = _completed(status_of(head_host)), time.monotonic()
+            done0, t0 = completed(head_host), time.monotonic()
             time.sleep(measure_s)
             elapsed = time.monotonic() - t0
             replicas = {name: status_of(h) for name, h in (("public", public), ("natted", natted))}
-            done = _completed(status_of(head_host)) - done0
+            done = completed(head_host) - done0
         finally:
             lab.close()
             for out in outs:
@@ -91,10 +91,6 @@ def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) 
             "spread_rms_mean": s["spread_rms_mean"],
         }
     return row
-
-
-def _completed(st: dict[str, Any]) -> int:
-    return int(st["counters"].get("microbatches_completed", 0))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -8,8 +8,8 @@ whole process got no CPU (then the loop thread's stack shows it idle, waiting fo
 Owns: a stamp the loop renews every ``beat_s`` (``run``, a task on the loop) and a daemon
 thread that reads it. When the stamp is ``warn_s`` old the thread logs a WARNING with the
 loop thread's stack at that moment (once per hold-up); when the loop runs again it counts
-the hold-up (``counters["loop_stalls"]``, exported as ``murmur_events``) and keeps the
-longest (``status``). Does not own: what held the loop up, or any timing of the node.
+the hold-up (``counters["loop_stalls"]``, exported as ``murmur_loop_stalls_total``) and
+keeps the longest (``status``). Does not own: what held the loop up, or any timing of the node.
 """
 
 from __future__ import annotations

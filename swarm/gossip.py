@@ -136,9 +136,14 @@ class GossipConfig:
     refused for this long (an honest proposer lapses only when it died, or its uplink is
     slower than ``min_rate_bytes_s``)."""
 
-    def transfer_s(self, nbytes: int) -> float:
+    def transfer_s(self, nbytes: float) -> float:
         """Time allowed for ``nbytes`` to cross the slowest link we wait for."""
         return nbytes / self.min_rate_bytes_s if self.min_rate_bytes_s > 0 else 0.0
+
+    def allowed_s(self, nbytes: float) -> float:
+        """How long a promised contribution of ``nbytes`` is waited for:
+        ``request_timeout_s`` plus its time at ``min_rate_bytes_s``."""
+        return self.request_timeout_s + self.transfer_s(nbytes)
 
 
 @dataclass
@@ -311,8 +316,9 @@ class GossipService:
             )
             outcome.num_sent += 1
             # agreed: the exchange may finish past the round's deadline; ours goes up, and
-            # the partner's (of the same stage and codec: the same size) comes back
-            transfer_s = self.config.request_timeout_s + self.config.transfer_s(2 * mine.nbytes)
+            # the partner's (of the same stage: the same size, unless its codec differs)
+            # comes back
+            transfer_s = self.config.allowed_s(2 * mine.nbytes)
             reply = await self._request(peer, request, deadline, outcome, transfer_s)
             if isinstance(reply, str):
                 return "lapsed" if lapsed else reply  # not asked again this round
@@ -396,11 +402,7 @@ class GossipService:
             # partner on a faster uplink may send a larger codec, which that uplink carries
             # sooner): allow its upload
             assert self._mine is not None
-            self._promise_until = (
-                self.clock.now()
-                + self.config.request_timeout_s
-                + self.config.transfer_s(self._mine.nbytes)
-            )
+            self._promise_until = self.clock.now() + self.config.allowed_s(self._mine.nbytes)
             return GossipReply(round=req.round, meta={})
         assert self._mine is not None
         partner.set_result((req.sender, Contribution(req.tensors, req.meta)))

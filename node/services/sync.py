@@ -363,7 +363,7 @@ class StageSync:
     async def _noloco(self, round_: int, share: float) -> None:
         ref_steps = self._ref_steps(share)
         steps = self.runner.round_steps  # held: no inner step until the round ends
-        codec = self._codec(2 * self.runner.outer.phi.numel(), self._gossip_given_s)
+        codec = self._codec(2 * self.runner.outer.phi.numel(), self.gossip.config.allowed_s)
         tensors, meta = await self.runner.compute(self.runner.outer_contribution, codec, ref_steps)
         mine = Contribution(tensors, meta)
         self._judge_uplink(mine.nbytes, codec)
@@ -400,21 +400,18 @@ class StageSync:
         this node's uplink within ``allowed_s`` of their bytes (``swarm.wirecodec``)."""
         if self.config.codec != "auto":
             return self.config.codec
-        codec = sync_codec(numel, self.uplink_bytes_s(), allowed_s)
+        rate = self.uplink_bytes_s()
+        codec = sync_codec(numel, rate, allowed_s)
         if codec != self.codec:
             log.info(
                 "sync.codec auto: %s for outer rounds from now (%d values a transfer, "
                 "uploads get %.2f Mbit/s)",
                 codec,
                 numel,
-                (self.uplink_bytes_s() or 0.0) * 8 / 1e6,
+                (rate or 0.0) * 8 / 1e6,
             )
             self.codec = codec
         return codec
-
-    def _gossip_given_s(self, nbytes: float) -> float:
-        """How long a NoLoCo partner waits for a contribution of ``nbytes``."""
-        return self.gossip.config.request_timeout_s + self.gossip.config.transfer_s(int(nbytes))
 
     def _judge_uplink(self, nbytes: int, codec: str) -> None:
         """Note whether a contribution of ``nbytes`` can reach a partner before it stops
@@ -424,7 +421,7 @@ class StageSync:
         refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``): this
         node is counted (``gossip_uplink_too_thin``) and told what would fit."""
         rate = self.uplink_bytes_s()
-        given_s = self._gossip_given_s(nbytes)
+        given_s = self.gossip.config.allowed_s(nbytes)
         self.contribution_given_s = given_s
         self.contribution_send_s = None if not rate else nbytes / rate
         if not self.uplink_too_thin():
