@@ -58,6 +58,7 @@ from node.config import Config
 from node.data.dataset import TextDataset, open_dataset
 from node.stage.runner import StageRunner
 from swarm.outer import rms_distance
+from swarm.wirecodec import sync_codec_unmeasured
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -236,7 +237,7 @@ class SimulatedSwarm:
     def _noloco(self, row: list[StageRunner], ref_steps: float = 0.0) -> None:
         order = list(range(len(row)))
         self.pair_rng.shuffle(order)
-        codec = self.config.sync.codec
+        codec = sync_codec_unmeasured(self.config.sync.codec)  # no links here: fp32 for auto
         offers = {i: row[i].outer_contribution(codec, ref_steps) for i in order}
         self.last_pairs[row[0].stage] = list(zip(order[0::2], order[1::2], strict=False))
         for a, b in self.last_pairs[row[0].stage]:

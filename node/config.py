@@ -302,12 +302,13 @@ class SyncConfig:
     """DiLoCo outer learning rate (Nesterov SGD)."""
     diloco_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum."""
-    codec: CodecSetting = "fp32"
+    codec: CodecSetting = "auto"
     """Encoding of gossiped weights and all-reduce chunks: fp32, bf16, int8 (blockwise), or
-    auto: for each round the most precise of these whose transfer crosses this node's uplink
-    (at the rate its hops get) before its receiver stops waiting (sync.request_timeout_s or
-    sync.ring_step_timeout_s plus its size at sync.min_link_mbps); fp32 until the rate is
-    measured (``swarm.wirecodec.sync_codec``)."""
+    auto (the default): for each round the most precise of these whose transfer crosses this
+    node's uplink (at the rate its hops get) before its receiver stops waiting
+    (sync.request_timeout_s or sync.ring_step_timeout_s plus its size at
+    sync.min_link_mbps); fp32 until the rate is measured and on every link that carries it
+    in time, as the published rules exchange (``swarm.wirecodec.sync_codec``)."""
     request_timeout_s: float = 10.0
     """Deadline of one gossip request (including the time it may be held by the partner)."""
     hold_s: float = 5.0

@@ -122,8 +122,8 @@ def format_status(st: dict[str, Any]) -> str:
             send_s, given_s = sync["contribution_send_s"], sync["contribution_given_s"]
             lines.append(
                 f"  uplink too thin to gossip: a contribution takes {send_s:.0f} s to send and a "
-                f"partner waits {given_s:.0f} s (rounds end solo; a smaller sync.codec or a "
-                "lower sync.min_link_mbps would fit)"
+                f"partner waits {given_s:.0f} s (rounds end solo; sync.codec = auto, or a "
+                "lower sync.min_link_mbps, would fit)"
             )
     bal = st.get("balance")
     if bal:

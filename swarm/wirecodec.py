@@ -47,7 +47,13 @@ it must reach its receiver before the receiver stops waiting for it (``swarm.gos
 ``swarm.allreduce``: a fixed timeout plus its size at the slowest link waited for). So the
 node takes the most precise of ``SYNC_CANDIDATES`` whose payload crosses its uplink within
 that allowance, fp32 while its rate is unknown (the published rules exchange full-precision
-weights), the most compact when none does.
+weights), the most compact when none does. It reads the rate that one timeout does not
+lower (``CodecChoice.settled_bytes_s``): the activations' codec is chosen at every hop and
+recovers at the next report, but a round's codec holds for the whole round, and on a busy
+machine a single timed-out 512 kB hop bounded a fast link to 0.4 Mbit/s, which would send
+that round's contribution in int8. It is the default: on every link that carries fp32 in
+time it changes nothing, and on one that does not the fp32 contribution arrives too late
+to be averaged at all (``bench/gossip_thin.py``).
 
 Pure policy: numbers in, a codec name out; no clock needed (rates come with their samples).
 """
@@ -66,6 +72,9 @@ MIN_TIMED_BYTES = 64 * 1024
 """Bodies smaller than this arrive with their headers: their time says nothing of the link."""
 SYNC_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "int8")
 """Codecs ``sync.codec = auto`` chooses from, most precise first."""
+SETTLED_TIMEOUTS = 3
+"""Timed-out requests in a row, with no measurement between, after which the rate an outer
+sync's codec is chosen by is their bound (``CodecChoice.settled_bytes_s``)."""
 UP_MARGIN = 0.5
 """A more precise codec is taken back only when its payload would take this fraction of a
 job's compute time or less."""
@@ -99,6 +108,11 @@ class CodecChoice:
     ema: float = 0.3
     """Weight of each new report."""
     num_switches: int = 0
+    measured_bytes_s: float | None = None
+    """Moving average of the measurements alone (reports and timed round trips), which
+    timeouts' bounds do not lower; None before the first."""
+    timeouts_in_a_row: int = 0
+    """Timeouts since the last measurement."""
 
     def observe_upload(self, reported: float, nbytes: int, trip_s: float) -> None:
         """An answered upload of ``nbytes``, ``trip_s`` from its start to its answer: its
@@ -114,10 +128,12 @@ class CodecChoice:
         measurements and are ignored."""
         if not is_rate(rate_bytes_s):
             return
-        prev = self.rate_bytes_s
-        self.rate_bytes_s = (
-            rate_bytes_s if prev is None else prev + self.ema * (rate_bytes_s - prev)
-        )
+        self.rate_bytes_s = self._averaged(self.rate_bytes_s, rate_bytes_s)
+        self.measured_bytes_s = self._averaged(self.measured_bytes_s, rate_bytes_s)
+        self.timeouts_in_a_row = 0
+
+    def _averaged(self, prev: float | None, new: float) -> float:
+        return new if prev is None else prev + self.ema * (new - prev)
 
     def observe_trip(self, nbytes: int, seconds: float) -> None:
         """An upload of ``nbytes`` whose receiver reported no rate (a relayed one never
@@ -139,8 +155,22 @@ class CodecChoice:
         if nbytes < MIN_TIMED_BYTES or not seconds > 0:
             return
         bound = nbytes / seconds
+        self.timeouts_in_a_row += 1
         if self.rate_bytes_s is None or self.rate_bytes_s > bound:
             self.rate_bytes_s = bound
+
+    @property
+    def settled_bytes_s(self) -> float | None:
+        """The rate for a choice made once a round (an outer sync's codec): the
+        measurements' average, which one timeout does not move (a dead receiver or a
+        machine busy for a moment times a request out on a fast link too, and the bound
+        would hold a whole round's transfer in int8); the bound (``rate_bytes_s``) once
+        ``SETTLED_TIMEOUTS`` requests in a row timed out, or while nothing was measured, so
+        an uplink that became thin, or on which no transfer ever finishes, still reads as
+        thin."""
+        if self.measured_bytes_s is None or self.timeouts_in_a_row >= SETTLED_TIMEOUTS:
+            return self.rate_bytes_s
+        return self.measured_bytes_s
 
     def choose(self, numel: int, compute_s: float) -> str:
         """The codec for the next tensor of ``numel`` values, from a node that computes a
@@ -159,6 +189,12 @@ class CodecChoice:
             self.codec = CANDIDATES[want]
             self.num_switches += 1
         return self.codec
+
+
+def sync_codec_unmeasured(setting: str) -> str:
+    """The codec of ``sync.codec = setting`` on a node with no rate measured (or no link:
+    a simulation): the setting itself when it is fixed, fp32 for ``auto``."""
+    return SYNC_CANDIDATES[0] if setting == "auto" else setting
 
 
 def sync_codec(numel: int, rate_bytes_s: float | None, allowed_s: Callable[[float], float]) -> str:

@@ -36,6 +36,7 @@ from node.config import Config, resolve_config
 from node.data.dataset import open_dataset
 from node.services.sync import weight_screen
 from node.stage.runner import StageRunner
+from swarm.wirecodec import sync_codec_unmeasured
 
 pytestmark = [pytest.mark.slow, pytest.mark.inprocess, pytest.mark.timeout(300)]
 
@@ -140,7 +141,8 @@ def train(
                 microbatch(k, f"mb{mb}")
                 mb += 1
         ready = [k for k, b in enumerate(blocks) if b.sync_due == "outer"]
-        offers = {k: blocks[k].outer_contribution(base.sync.codec) for k in ready}
+        codec = sync_codec_unmeasured(base.sync.codec)
+        offers = {k: blocks[k].outer_contribution(codec) for k in ready}
         order = list(ready)
         pairing.shuffle(order)
         partner: dict[int, int] = {}

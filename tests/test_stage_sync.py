@@ -298,7 +298,8 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
     nothing is judged."""
     clock = WallClock(999_995.0)
     rate = None if mbit is None else mbit * 125_000
-    sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate)
+    fixed = {"sync.codec": "fp32"}  # the default, auto, would take int8 at 1 Mbit/s
+    sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate, settings=fixed)
     try:
         sync.poll()
         inner_steps(runner, 2)

@@ -15,12 +15,15 @@ from node.display import format_status
 from node.metrics import NodeCollector
 from protocol.frames import join_frame
 from protocol.messages import Ack, decode_message, encode_message
+from swarm.gossip import GossipConfig
 from swarm.wirecodec import (
     MIN_TIMED_BYTES,
+    SETTLED_TIMEOUTS,
     CodecChoice,
     arrival_rate,
     payload_bytes,
     sync_codec,
+    sync_codec_unmeasured,
 )
 from tests.test_hostile import forward, start_node
 
@@ -105,6 +108,38 @@ def test_a_timed_out_payload_bounds_the_rate_so_a_link_nothing_crosses_takes_int
     for _ in range(6):  # ...until reports of the link's real rate bring it back (50 ms)
         fast.observe(12.5e6)
     assert fast.choose(NUMEL, compute_s=0.1) == "bf16"
+
+
+def test_the_rate_an_outer_round_is_chosen_by_is_not_lowered_by_one_timeout() -> None:
+    """On a fast link a timed-out 512 kB hop (a dead receiver, a busy machine) bounds the
+    rate to 0.4 Mbit/s; a round's codec chosen by that would send a 9.6 MB contribution in
+    int8 for nothing. ``settled_bytes_s`` keeps the measurements' average until
+    ``SETTLED_TIMEOUTS`` (3) timeouts come in a row, and takes the bound while nothing has
+    been measured."""
+    assert SETTLED_TIMEOUTS == 3
+    allowed = GossipConfig().allowed_s  # 10 s plus the bytes at 10 Mbit/s
+    numel = 2 * 1_200_000  # slow weights and pseudo-gradient: 9.6 MB in fp32
+    c = CodecChoice()
+    c.observe_timeout(BF16, 10.0)  # nothing measured yet: the bound is all there is
+    assert c.settled_bytes_s == pytest.approx(52_428.8)
+    assert sync_codec(numel, c.settled_bytes_s, allowed) == "int8"
+    c.observe(12.5e6)
+    c.observe(12.5e6)
+    assert c.measured_bytes_s == pytest.approx(12.5e6)
+    assert c.settled_bytes_s == pytest.approx(12.5e6)
+    for timeouts in (1, 2):
+        c.observe_timeout(BF16, 10.0)
+        assert c.rate_bytes_s == pytest.approx(52_428.8)  # the hops' codec takes the bound
+        assert c.settled_bytes_s == pytest.approx(12.5e6), timeouts  # a round's does not
+        assert sync_codec(numel, c.settled_bytes_s, allowed) == "fp32"
+    c.observe_timeout(BF16, 10.0)  # three in a row with nothing between: the link changed
+    assert c.settled_bytes_s == pytest.approx(52_428.8)
+    assert sync_codec(numel, c.settled_bytes_s, allowed) == "int8"
+    c.observe(1e6)  # a measurement: the average of measurements alone again
+    assert c.timeouts_in_a_row == 0
+    assert c.settled_bytes_s == pytest.approx(12.5e6 + 0.3 * (1e6 - 12.5e6))
+    c.observe_timeout(MIN_TIMED_BYTES - 1, 10.0)  # too small to say anything
+    assert c.timeouts_in_a_row == 0
 
 
 def test_an_upload_no_receiver_timed_enters_the_average_by_the_senders_clock() -> None:
@@ -263,3 +298,9 @@ def test_sync_codec_takes_the_most_precise_payload_that_arrives_before_the_wait_
 ) -> None:
     """A million values; the receiver waits 10 s plus the payload at 10 Mbit/s."""
     assert sync_codec(1_000_000, rate, lambda n: 10.0 + n / 1.25e6) == codec
+
+
+def test_before_any_rate_auto_sends_the_published_rules_fp32_and_a_fixed_codec_stands() -> None:
+    assert sync_codec_unmeasured("auto") == "fp32"
+    for fixed in ("fp32", "bf16", "int8"):
+        assert sync_codec_unmeasured(fixed) == fixed

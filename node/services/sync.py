@@ -45,7 +45,7 @@ from swarm.gossip import Contribution, GossipConfig, GossipService
 from swarm.schedule import PACE_ROUNDS, round_period, round_share
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
-from swarm.wirecodec import SYNC_CANDIDATES, sync_codec
+from swarm.wirecodec import SYNC_CANDIDATES, sync_codec, sync_codec_unmeasured
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class StageSync:
         replica's seconds per inner step as its record last told its partners (0: not yet),
         the figure the stage's step times are read with (``_step_times``).
         ``uplink_bytes_s()``: the rate this node's uploads get, as its hops' receivers report
-        it (None: not known yet; ``node.pipeline.HopSender``)."""
+        it, which one timed-out hop does not lower (None: not known yet;
+        ``swarm.wirecodec.CodecChoice.settled_bytes_s``)."""
         self.ctx = ctx
         self.runner = runner
         self.guard = guard
@@ -94,7 +95,7 @@ class StageSync:
         self.contribution_given_s: float | None = None
         """Seconds a partner waits for it (``swarm.gossip.GossipConfig``)."""
         self._thin_log = RateLimitedLog(log, THIN_GOSSIP_WARNING_EVERY_S)
-        self.codec: str = "fp32" if ctx.config.sync.codec == "auto" else ctx.config.sync.codec
+        self.codec: str = sync_codec_unmeasured(ctx.config.sync.codec)
         """The codec of this replica's last outer-sync transfer (``sync.codec``, or what
         ``auto`` chose for it)."""
         self.offset_s = 0.0
@@ -153,7 +154,7 @@ class StageSync:
             ctx.transport,
             ctx.clock,
             ctx.peer_id,
-            codec="fp32" if self.config.codec == "auto" else self.config.codec,
+            codec=sync_codec_unmeasured(self.config.codec),
             step_timeout_s=self.config.ring_step_timeout_s,
             max_held_bytes=self.config.ring_inbox_bytes,
             min_rate_bytes_s=self.config.min_link_mbps * 125_000,
@@ -442,9 +443,9 @@ class StageSync:
             "A lower sync.min_link_mbps on every replica (with rounds long enough to carry it, "
             "sync.round_s) would let it pair"
             if codec == SYNC_CANDIDATES[-1]
-            else "sync.codec = auto (the codec that fits: bf16 halves it, int8 quarters it) "
-            "or a lower sync.min_link_mbps on every replica (with rounds long enough, "
-            "sync.round_s) would let it pair",
+            else "sync.codec = auto, the default (the codec that fits: bf16 halves it, int8 "
+            "quarters it), or a lower sync.min_link_mbps on every replica (with rounds long "
+            "enough, sync.round_s) would let it pair",
         )
 
     def uplink_too_thin(self) -> bool:
