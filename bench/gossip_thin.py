@@ -11,7 +11,8 @@ its gossip, so its uploads get well under the cap.
 For each ``sync.codec`` of ``--codecs`` in turn (the same on both replicas), ``--measure-s``
 seconds from the moment both serve: each replica's rounds (paired, solo), what its status
 says of its uplink (the contribution's seconds to send against a partner's wait), the codec
-its last round used, and the head's completed microbatches. Writes
+its last round used, its proposals a round and the bytes it gossiped, and the head's
+completed microbatches. Writes
 ``bench/results/gossip_thin.json``.
 
 Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]``
@@ -89,6 +90,10 @@ def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) 
             "uplink_too_thin": s["uplink_too_thin"],
             "link_mbit": st["wire"]["link_mbps"],
             "spread_rms_mean": s["spread_rms_mean"],
+            "proposals": s["proposals"],
+            "proposals_per_round": round(s["proposals"] / max(1, paired + solo), 1),
+            "promises_lapsed": s["promises_lapsed"],
+            "sync_mb_sent": round(s["bytes_sent"] / 1e6, 1),
         }
     return row
 
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             say(
                 f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired, last in "
                 f"{r['codec']}, send {r['contribution_send_s']} s against "
-                f"{r['contribution_given_s']} s given, link {r['link_mbit']} Mbit/s"
+                f"{r['contribution_given_s']} s given, link {r['link_mbit']} Mbit/s, "
+                f"{r['proposals_per_round']} proposals a round, {r['sync_mb_sent']} MB sent"
             )
         say(f"  head: {row['head_microbatches']} microbatches in {row['measure_s']} s")
         rows.append(row)

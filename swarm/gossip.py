@@ -23,6 +23,11 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    - ``lapsed``: this replica's last promised contribution never reached the partner:
      it sends its contribution in one request at once (point 4), then excludes the
      partner for the round;
+   - ``incoming``: the partner is sending its contribution to this replica already (it
+     heard ``lapsed`` from here): this replica waits for it as for a promised one (point
+     4), proposing to nobody meanwhile. An ``incoming`` that does not come lapses like a
+     promise, and that partner's ``incoming`` is not waited for again for
+     ``lapse_ban_s``;
    - a timeout or an unreachable partner (it died, perhaps mid-exchange): excluded;
    before each new attempt it listens again, so a replica that was refused can still be
    claimed by someone else.
@@ -48,6 +53,11 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
      lapse too, on an uplink slower than the allowance: two such replicas that had each
      let the other's promise lapse refused each other's proposals as ``busy`` for ten
      minutes, live, over a hundred times a round, and paired in no round (``bench/gossip_thin.py``);
+   - sending its contribution to that very proposer already (an unannounced one, after
+     ``lapsed``): ``incoming``, whatever the ids. Otherwise the proposer asked again and
+     again while the upload crossed a thin uplink (``busy``: tens of proposals a round,
+     live), or, promised, sent its own contribution, whose reply carried this replica's a
+     second time over the same thin uplink, beside the first;
    - seeking ``r`` but paired, promised to another, or proposing to a third replica:
      ``busy`` (so three replicas that choose each other in a cycle all hear ``busy`` and
      move on: no deadlock);
@@ -191,6 +201,8 @@ class GossipService:
         self._promised: str | None = None
         """The replica whose proposal we accepted and whose contribution we wait for."""
         self._promise_until = 0.0
+        self._incoming: str | None = None
+        """The replica that answered ``incoming``: the promise we keep is to it."""
         self._sent_as_acceptor = False
         self._lapsed: dict[str, float] = {}
         """Proposers whose contribution never came, and until when their proposals are
@@ -198,6 +210,11 @@ class GossipService:
         sending, again and again."""
         self.num_lapsed = 0
         """Promises that lapsed: proposers that did not send (they died, or misbehave)."""
+        self._false_incoming: dict[str, float] = {}
+        """Replicas whose ``incoming`` never came, and until when it is not waited for."""
+        self._sending_to: str | None = None
+        """The replica our contribution is on its way to now (an agreed or unannounced
+        exchange, not a proposal)."""
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
         self._reached = asyncio.Event()
         self._num_held = 0
@@ -211,9 +228,10 @@ class GossipService:
         assert round_ > self.completed, "rounds only move forward"
         loop = asyncio.get_running_loop()
         self._round, self._mine = round_, mine
-        self._promised, self._sent_as_acceptor = None, False
+        self._promised, self._incoming, self._sent_as_acceptor = None, None, False
         now = self.clock.now()
         self._lapsed = {p: until for p, until in self._lapsed.items() if until > now}
+        self._false_incoming = {p: t for p, t in self._false_incoming.items() if t > now}
         self._partner = partner = loop.create_future()
         self._reached.set()  # wake requests held for this round
         self._reached = asyncio.Event()
@@ -252,7 +270,7 @@ class GossipService:
             if not partner.done():
                 partner.cancel()
             self.completed = round_
-            self._target = self._promised = None
+            self._target = self._promised = self._incoming = None
         outcome.num_sent += self._sent_as_acceptor
         return outcome
 
@@ -275,7 +293,10 @@ class GossipService:
             log.info("gossip round %d: %s never sent its contribution", self._round, promised)
             self._promised = None
             if promised is not None:
-                self._lapsed[promised] = self.clock.now() + self.config.lapse_ban_s
+                until = self.clock.now() + self.config.lapse_ban_s
+                self._lapsed[promised] = until
+                if promised == self._incoming:  # it said so itself: not believed again soon
+                    self._false_incoming[promised] = until
                 self.num_lapsed += 1
 
     async def _listen(
@@ -302,6 +323,11 @@ class GossipService:
                 stage=self.stage, round=round_, sender=self.self_id, meta={}, propose=True
             )
             answer = await self._request(peer, propose, deadline, outcome)
+            if answer == "incoming" and peer.peer_id not in self._false_incoming:
+                # its contribution is on its way here: wait for it as for a promised one
+                self._promised = self._incoming = peer.peer_id
+                self._promise_until = self.clock.now() + self.config.allowed_s(mine.nbytes)
+                return answer
             lapsed = answer == "lapsed"  # no promise for us there: ours goes unannounced
             if isinstance(answer, str) and not lapsed:
                 return answer  # refused
@@ -319,11 +345,12 @@ class GossipService:
             # the partner's (of the same stage: the same size, unless its codec differs)
             # comes back
             transfer_s = self.config.allowed_s(2 * mine.nbytes)
+            self._sending_to = peer.peer_id
             reply = await self._request(peer, request, deadline, outcome, transfer_s)
             if isinstance(reply, str):
                 return "lapsed" if lapsed else reply  # not asked again this round
         finally:
-            self._target = None
+            self._target = self._sending_to = None
         if not partner.done():
             partner.set_result((peer.peer_id, Contribution(reply.tensors, reply.meta)))
         return None
@@ -387,6 +414,12 @@ class GossipService:
                 "busy", f"round {req.round}: promised to, or asking, another replica", 409
             )
         if req.propose:
+            if self._sending_to == req.sender:
+                raise Refused(
+                    "incoming",
+                    f"round {req.round}: my contribution is on its way to you; wait for it",
+                    409,
+                )
             if self._lapsed.get(req.sender, -math.inf) > self.clock.now():
                 raise Refused(
                     "lapsed",

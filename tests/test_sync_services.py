@@ -488,6 +488,57 @@ async def test_a_lapsed_proposer_whose_unannounced_contribution_is_refused_asks_
     assert ra.num_attempts == 1 and ra.refusals == {"lapsed": 1, "busy": 1}
 
 
+@pytest.mark.parametrize("thin", [0, 1])
+async def test_a_proposer_whose_partner_is_sending_it_a_contribution_waits_for_it(
+    thin: int,
+) -> None:
+    """A replica refused as ``lapsed`` uploads its contribution unannounced; its partner,
+    proposing to it meanwhile, hears ``incoming`` and waits for it. Before, in one order of
+    the ids the partner heard ``busy`` and proposed again and again while the upload crossed
+    (live: tens of times a round); in the other it was accepted, sent its own contribution,
+    and the reply carried the thin replica's a second time, beside the first."""
+    net = Net()
+    net.rate_bytes_s = 32_768.0  # a 16 KB contribution takes 0.5 s each way
+    services = make_gossip(
+        net, 2, request_timeout_s=0.3, round_deadline_s=3.0, min_rate_bytes_s=10_000.0
+    )
+    t, p = services[thin], services[1 - thin]
+    p._lapsed[t.self_id] = time.monotonic() + 60.0  # as after a promise of t's lapsed at p
+    big = [Contribution({"phi": torch.full((4096,), float(i))}, {"who": i}) for i in range(2)]
+    t_round = asyncio.ensure_future(t.exchange(1, big[thin]))
+    await asyncio.sleep(0.1)  # t proposed first: held at p until p reaches round 1
+    rp = await p.exchange(1, big[1 - thin])
+    rt = await t_round
+    assert (rt.partner_id, rp.partner_id) == (p.self_id, t.self_id)
+    assert rp.contribution is not None and rp.contribution.meta == {"who": thin}
+    assert rt.contribution is not None and rt.contribution.meta == {"who": 1 - thin}
+    assert rt.refusals == {"lapsed": 1}
+    assert rp.refusals == {"incoming": 1} and rp.num_attempts == 1
+    assert net.tensor_bytes == 2 * 16_384  # each contribution crossed once
+
+
+async def test_an_incoming_contribution_that_never_comes_holds_a_proposer_up_once() -> None:
+    """A replica that answers ``incoming`` and sends nothing holds its proposer for one
+    contribution's allowance, like a promise that lapses; for ``lapse_ban_s`` after, its
+    ``incoming`` is not waited for."""
+    net = Net()
+    liar, p = make_gossip(net, 2, request_timeout_s=0.3, round_deadline_s=1.0)
+
+    async def says_incoming(req: GossipRequest) -> GossipReply:
+        raise Refused("incoming", "on its way (it is not)")
+
+    liar.handle_request = says_incoming  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    r0 = await p.exchange(0, contrib(1))
+    assert time.monotonic() - t0 >= 0.3  # waited: 0.3 s and 12 bytes at 10 Mbit/s
+    assert r0.partner_id is None and r0.refusals == {"incoming": 1} and p.num_lapsed == 1
+    t0 = time.monotonic()
+    r1 = await p.exchange(1, contrib(1))
+    assert time.monotonic() - t0 < 0.25  # not waited for: nobody left to ask, solo at once
+    assert r1.partner_id is None and r1.refusals == {"incoming": 1} and r1.num_attempts == 1
+    assert p.num_lapsed == 1
+
+
 async def test_odd_replica_out_goes_solo_and_nobody_deadlocks() -> None:
     for seed in range(5):
         net = Net()

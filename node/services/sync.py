@@ -114,6 +114,8 @@ class StageSync:
         self.seconds_count = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.proposals = 0
+        """NoLoCo proposals this replica made, over all its rounds."""
         self.spread_rms: float | None = None
         self.spread_sum = 0.0
         self.spread_count = 0
@@ -369,6 +371,7 @@ class StageSync:
         mine = Contribution(tensors, meta)
         self._judge_uplink(mine.nbytes, codec)
         outcome = await self.gossip.exchange(round_, mine)
+        self.proposals += outcome.num_attempts
         self.bytes_sent += tensor_bytes(tensors) * outcome.num_sent
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
@@ -580,6 +583,7 @@ class StageSync:
             "in_progress": self.running,
             "typical_distance": self.screen.typical(),
             "promises_lapsed": self.gossip.num_lapsed,
+            "proposals": self.proposals,
             "places_clamped": self.runner.places_clamped,
             "clock_offset_s": round(self.offset_s, 3),
             "clock_restarts": self.clock_restarts,
