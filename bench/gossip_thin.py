@@ -5,18 +5,19 @@ public, one NATed behind a router namespace whose uplink is a token bucket of ``
 Mbit/s with a 1 s queue (``tests.netns.Lab.cap_router_uplink``), so it serves through a
 relay. The stage's NoLoCo contribution (slow weights and pseudo-gradient) is 9.6 MB in
 fp32; a partner waits ``sync.request_timeout_s`` (10 s) plus its size at
-``sync.min_link_mbps`` (10 Mbit/s) for it. The NATed replica's hops share its uplink with
-its gossip, so its uploads get well under the cap.
+``sync.min_link_mbps`` (10 Mbit/s) for it, or, where the proposal announced a slower upload,
+that upload plus 10 s, up to ``sync.max_upload_wait_s``. The NATed replica's hops share its
+uplink with its gossip, so its uploads get well under the cap.
 
-For each ``sync.codec`` of ``--codecs`` in turn (the same on both replicas), ``--measure-s``
+For each ``sync.codec`` of ``--codecs`` in turn (the same on both replicas), and each
+``sync.max_upload_wait_s`` of ``--max-upload-wait-s`` (0: no announced waits), ``--measure-s``
 seconds from the moment both serve: each replica's rounds (paired, solo), what its status
 says of its uplink (the contribution's seconds to send against a partner's wait), the codec
 its last round used, its proposals a round and the bytes it gossiped, and the head's
-completed microbatches. Writes
-``bench/results/gossip_thin.json``.
+completed microbatches. Writes ``bench/results/<--name>.json`` (``gossip_thin``).
 
-Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]``
-(as root: network namespaces).
+Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]
+[--max-upload-wait-s 60] [--name gossip_thin]`` (as root: network namespaces).
 """
 
 from __future__ import annotations
@@ -37,14 +38,22 @@ def say(text: str) -> None:
     print(f"[gossip_thin {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) -> dict[str, Any]:
-    """One swarm with ``sync.codec = codec`` on both replicas, the NATed one behind ``mbit``."""
+def live(
+    codec: str, mbit: float, measure_s: float, round_s: float, logs: Path, wait_s: float = 60.0
+) -> dict[str, Any]:
+    """One swarm with ``sync.codec = codec`` and ``sync.max_upload_wait_s = wait_s`` on both
+    replicas, the NATed one behind ``mbit``."""
     from tests.helpers import wait_for
     from tests.netns import Lab
     from tests.test_nat import PORT, completed, join, ready_status, status_of
 
     logs.mkdir(parents=True, exist_ok=True)
-    sync = ("sync.method=noloco", f"sync.round_s={round_s:g}", f"sync.codec={codec}")
+    sync = (
+        "sync.method=noloco",
+        f"sync.round_s={round_s:g}",
+        f"sync.codec={codec}",
+        f"sync.max_upload_wait_s={wait_s:g}",
+    )
     with Lab.create(2) as lab:
         head_host, public = lab.hosts
         natted = lab.add_natted()
@@ -72,6 +81,7 @@ def live(codec: str, mbit: float, measure_s: float, round_s: float, logs: Path) 
                 out.close()
     row: dict[str, Any] = {
         "codec_setting": codec,
+        "max_upload_wait_s": wait_s,
         "mbit": mbit,
         "measure_s": round(elapsed, 1),
         "head_microbatches": done,
@@ -104,13 +114,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--measure-s", type=float, default=240.0)
     p.add_argument("--round-s", type=float, default=30.0)
     p.add_argument("--codecs", nargs="+", default=["fp32", "auto"])
+    p.add_argument(
+        "--max-upload-wait-s",
+        nargs="+",
+        type=float,
+        default=[60.0],
+        help="sync.max_upload_wait_s values, each run with every codec (0: no announced waits)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="gossip_thin", help="the results file's name")
     p.add_argument("--logs", type=Path, default=Path("/tmp/gossip_thin"))
     args = p.parse_args(argv)
     rows = []
-    for codec in args.codecs:
-        say(f"sync.codec {codec}, NATed replica behind {args.mbit:g} Mbit/s")
-        row = live(codec, args.mbit, args.measure_s, args.round_s, args.logs / codec)
+    for codec, wait_s in ((c, w) for w in args.max_upload_wait_s for c in args.codecs):
+        say(
+            f"sync.codec {codec}, sync.max_upload_wait_s {wait_s:g}, NATed replica behind "
+            f"{args.mbit:g} Mbit/s"
+        )
+        row = live(
+            codec,
+            args.mbit,
+            args.measure_s,
+            args.round_s,
+            args.logs / f"{codec}-{wait_s:g}",
+            wait_s,
+        )
         for name in ("public", "natted"):
             r = row[name]
             say(
@@ -134,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gossip_thin.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

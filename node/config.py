@@ -324,6 +324,13 @@ class SyncConfig:
     chunk may take its size at this rate on top of sync.request_timeout_s or
     sync.ring_step_timeout_s (a 100 MB stage's NoLoCo contribution is 200 MB in fp32: 16 s
     each way at 100 Mbit/s, 160 s at 10). 0: no allowance, the fixed timeouts only."""
+    max_upload_wait_s: float = 60.0
+    """The longest a replica waits for a partner's NoLoCo contribution whose sender said,
+    in its proposal, that its upload takes longer than the allowance above (an uplink below
+    sync.min_link_mbps: a volunteer on 1 Mbit/s takes 19 s for a 2.4 MB contribution), and
+    for one a partner said is already on its way (``incoming``). A partner whose
+    contribution then never comes holds it up that long once, and is not waited for again
+    for ten minutes. At or below the allowance: no longer wait than the allowance."""
     ring_inbox_bytes: int = 1 << 30
     """Bytes of ring chunks that may wait here for rounds (started or not) before further
     chunks are refused with ring_overload: a bound on what peers can make this node hold."""

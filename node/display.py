@@ -123,7 +123,7 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(
                 f"  uplink too thin to gossip: a contribution takes {send_s:.0f} s to send and a "
                 f"partner waits {given_s:.0f} s (rounds end solo; sync.codec = auto, or a "
-                "lower sync.min_link_mbps, would fit)"
+                "higher sync.max_upload_wait_s, would fit)"
             )
     bal = st.get("balance")
     if bal:

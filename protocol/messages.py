@@ -406,6 +406,13 @@ class GossipRequest(Message):
     sender: str
     meta: dict[str, Any]
     propose: bool = False
+    upload_s: float = 0.0
+    """With a proposal: the seconds the sender expects its contribution to take to upload,
+    at the rate its uploads get (0: not known). An accepting partner waits that long where
+    it is longer than its usual allowance, up to a bound of its own (``swarm.gossip``)."""
+
+    def problem(self) -> str | None:
+        return _upload_problem(self.upload_s)
 
 
 @dataclass(frozen=True)
@@ -416,6 +423,23 @@ class GossipReply(Message):
     TYPE: ClassVar[str] = "gossip_reply"
     round: int
     meta: dict[str, Any]
+    upload_s: float = 0.0
+    """With a promise: the seconds the replier expects its own contribution, which comes
+    back in the reply to the proposer's, to take to upload (0: not known). With
+    ``incoming``: the seconds its sender keeps sending it."""
+    incoming: bool = False
+    """Instead of a promise, to a proposal: the replier's own contribution is on its way to
+    the proposer already; wait for it rather than propose again."""
+
+    def problem(self) -> str | None:
+        return _upload_problem(self.upload_s)
+
+
+def _upload_problem(upload_s: float) -> str | None:
+    """An announced upload time no honest sender gives (negative or not finite), or None."""
+    if not (math.isfinite(upload_s) and upload_s >= 0):
+        return f"upload_s {upload_s} is not a finite number >= 0"
+    return None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,13 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    one of:
    - an empty ``GossipReply``: a promise. The proposer then sends its contribution in a
      second ``GossipRequest`` and the partner's comes back in the ``GossipReply``: paired;
+   - an empty ``GossipReply`` marked ``incoming``: the partner is sending its contribution
+     to this replica already (it heard ``lapsed`` from here, or its agreed exchange outlived
+     this replica's promise) and keeps sending for at most ``upload_s`` more seconds. This
+     replica waits for it as for a promised one (point 4), that long and at most
+     ``max_upload_wait_s``, proposing to nobody meanwhile. One that does not come lapses
+     like a promise, and that partner's ``incoming`` is not waited for again for
+     ``lapse_ban_s``;
    - ``busy``: the partner is paired or promised already, or is proposing to someone else;
      try another (it may be asked again later in the round: its own attempt may fail);
    - ``not_ready``: the partner is behind and did not reach ``r`` in time; it too may be
@@ -23,11 +30,6 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    - ``lapsed``: this replica's last promised contribution never reached the partner:
      it sends its contribution in one request at once (point 4), then excludes the
      partner for the round;
-   - ``incoming``: the partner is sending its contribution to this replica already (it
-     heard ``lapsed`` from here): this replica waits for it as for a promised one (point
-     4), proposing to nobody meanwhile. An ``incoming`` that does not come lapses like a
-     promise, and that partner's ``incoming`` is not waited for again for
-     ``lapse_ban_s``;
    - a timeout or an unreachable partner (it died, perhaps mid-exchange): excluded;
    before each new attempt it listens again, so a replica that was refused can still be
    claimed by someone else.
@@ -54,7 +56,8 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
      let the other's promise lapse refused each other's proposals as ``busy`` for ten
      minutes, live, over a hundred times a round, and paired in no round (``bench/gossip_thin.py``);
    - sending its contribution to that very proposer already (an unannounced one, after
-     ``lapsed``): ``incoming``, whatever the ids. Otherwise the proposer asked again and
+     ``lapsed``, or an agreed one still in flight): ``incoming``, whatever the ids, with
+     the seconds it will keep sending. Otherwise the proposer asked again and
      again while the upload crossed a thin uplink (``busy``: tens of proposals a round,
      live), or, promised, sent its own contribution, whose reply carried this replica's a
      second time over the same thin uplink, beside the first;
@@ -74,7 +77,15 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    upload). ``round_deadline_s`` bounds the search for a partner, not the transfer: a
    promise given before it is kept past it, and an agreed exchange runs to its end.
    With the fixed 10 s timeout alone a 100 MB stage at 100 Mbit/s (16 s each way) could
-   never pair.
+   never pair. A proposer whose uplink is slower than that says so: its proposal carries
+   its upload's expected seconds (``upload_s``, at the rate its own uploads get), and the
+   acceptor waits that long plus ``request_timeout_s`` where it is longer, up to
+   ``max_upload_wait_s`` (60 s): a volunteer's 2.4 MB int8 contribution takes 19 s on a
+   1 Mbit/s uplink, against 11.9 s allowed at 10 Mbit/s. The acceptor's promise says the
+   same of its own upload, which comes back in the reply, and the proposer waits for the
+   reply accordingly. A proposer that
+   announces a long upload and sends nothing holds its partner that long once, then lapses
+   (point 4); the same bound holds an ``incoming`` one.
 6. When every replica is excluded, or the round's deadline passes, the replica takes a
    solo outer step (``G = {i}``): the odd replica out and the replica whose partner died
    both end this way. Each round ends as exactly one of paired or solo.
@@ -113,6 +124,9 @@ class Contribution:
 
     tensors: Mapping[str, torch.Tensor]
     meta: dict[str, Any]
+    upload_s: float = 0.0
+    """Seconds its upload takes at the rate this replica's uploads get (0: not known),
+    announced with its proposals."""
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +160,12 @@ class GossipConfig:
     refused for this long (an honest proposer lapses only when it died, or its uplink is
     slower than ``min_rate_bytes_s``)."""
 
+    max_upload_wait_s: float = 60.0
+    """The longest a promised contribution is waited for when its sender announced an
+    upload slower than ``allowed_s`` gives (a proposal's ``upload_s``), or an ``incoming``
+    one. A sender whose contribution then never comes holds a round up this long once; it
+    lapses like any promise. Below ``allowed_s``: nothing longer than ``allowed_s``."""
+
     def transfer_s(self, nbytes: float) -> float:
         """Time allowed for ``nbytes`` to cross the slowest link we wait for."""
         return nbytes / self.min_rate_bytes_s if self.min_rate_bytes_s > 0 else 0.0
@@ -154,6 +174,16 @@ class GossipConfig:
         """How long a promised contribution of ``nbytes`` is waited for:
         ``request_timeout_s`` plus its time at ``min_rate_bytes_s``."""
         return self.request_timeout_s + self.transfer_s(nbytes)
+
+    def promise_s(self, nbytes: float, upload_s: float = 0.0) -> float:
+        """How long a promised contribution of ``nbytes`` whose sender announced an upload
+        of ``upload_s`` seconds (0: none) is waited for: ``allowed_s``, or the announced
+        upload plus ``request_timeout_s`` where that is longer, up to
+        ``max_upload_wait_s``."""
+        announced = 0.0
+        if upload_s > 0:
+            announced = min(self.request_timeout_s + upload_s, self.max_upload_wait_s)
+        return max(self.allowed_s(nbytes), announced)
 
 
 @dataclass
@@ -215,6 +245,8 @@ class GossipService:
         self._sending_to: str | None = None
         """The replica our contribution is on its way to now (an agreed or unannounced
         exchange, not a proposal)."""
+        self._sending_until = 0.0
+        """When we stop sending it, if it has not arrived."""
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
         self._reached = asyncio.Event()
         self._num_held = 0
@@ -320,15 +352,24 @@ class GossipService:
         self._target = peer.peer_id
         try:
             propose = GossipRequest(
-                stage=self.stage, round=round_, sender=self.self_id, meta={}, propose=True
+                stage=self.stage,
+                round=round_,
+                sender=self.self_id,
+                meta={},
+                propose=True,
+                upload_s=mine.upload_s,
             )
             answer = await self._request(peer, propose, deadline, outcome)
-            if answer == "incoming" and peer.peer_id not in self._false_incoming:
+            if isinstance(answer, GossipReply) and answer.incoming:
                 # its contribution is on its way here: wait for it as for a promised one
-                self._promised = self._incoming = peer.peer_id
-                self._promise_until = self.clock.now() + self.config.allowed_s(mine.nbytes)
-                return answer
+                outcome.refusals["incoming"] = outcome.refusals.get("incoming", 0) + 1
+                if peer.peer_id not in self._false_incoming:
+                    self._promised = self._incoming = peer.peer_id
+                    wait_s = min(answer.upload_s, self.config.max_upload_wait_s)
+                    self._promise_until = self.clock.now() + wait_s
+                return "incoming"
             lapsed = answer == "lapsed"  # no promise for us there: ours goes unannounced
+            back_s = answer.upload_s if isinstance(answer, GossipReply) else 0.0
             if isinstance(answer, str) and not lapsed:
                 return answer  # refused
             if partner.done():
@@ -341,11 +382,16 @@ class GossipService:
                 tensors=mine.tensors,
             )
             outcome.num_sent += 1
-            # agreed: the exchange may finish past the round's deadline; ours goes up, and
-            # the partner's (of the same stage: the same size, unless its codec differs)
-            # comes back
-            transfer_s = self.config.allowed_s(2 * mine.nbytes)
+            # agreed: the exchange may finish past the round's deadline. Ours goes up, then
+            # the partner's comes back in the reply: each is allowed what its sender
+            # announced, as a promise is (of the same stage: the same size, unless its
+            # codec differs)
+            cfg = self.config
+            transfer_s = cfg.promise_s(mine.nbytes, mine.upload_s) + (
+                cfg.promise_s(mine.nbytes, back_s) - cfg.request_timeout_s
+            )
             self._sending_to = peer.peer_id
+            self._sending_until = self.clock.now() + transfer_s
             reply = await self._request(peer, request, deadline, outcome, transfer_s)
             if isinstance(reply, str):
                 return "lapsed" if lapsed else reply  # not asked again this round
@@ -414,12 +460,9 @@ class GossipService:
                 "busy", f"round {req.round}: promised to, or asking, another replica", 409
             )
         if req.propose:
-            if self._sending_to == req.sender:
-                raise Refused(
-                    "incoming",
-                    f"round {req.round}: my contribution is on its way to you; wait for it",
-                    409,
-                )
+            if self._sending_to == req.sender:  # ours is on its way to it: it should wait
+                left_s = max(0.0, self._sending_until - self.clock.now())
+                return GossipReply(round=req.round, meta={}, incoming=True, upload_s=left_s)
             if self._lapsed.get(req.sender, -math.inf) > self.clock.now():
                 raise Refused(
                     "lapsed",
@@ -433,10 +476,11 @@ class GossipService:
             self._promised = req.sender
             # its contribution is as large as ours (same stage; with sync.codec = auto a
             # partner on a faster uplink may send a larger codec, which that uplink carries
-            # sooner): allow its upload
+            # sooner): allow its upload, or what it says its uplink takes, within bounds
             assert self._mine is not None
-            self._promise_until = self.clock.now() + self.config.allowed_s(self._mine.nbytes)
-            return GossipReply(round=req.round, meta={})
+            wait_s = self.config.promise_s(self._mine.nbytes, req.upload_s)
+            self._promise_until = self.clock.now() + wait_s
+            return GossipReply(round=req.round, meta={}, upload_s=self._mine.upload_s)
         assert self._mine is not None
         partner.set_result((req.sender, Contribution(req.tensors, req.meta)))
         self._sent_as_acceptor = True

@@ -239,6 +239,14 @@ def test_a_refusal_says_where_the_bad_field_is(
             "hello.sender: round_s nan is not a finite number >= 0",
         ),
         (Ack(queue=-5), "ack: queue -5 is below -1"),
+        (
+            GossipRequest(stage=1, round=2, sender="p", meta={}, propose=True, upload_s=-1.0),
+            "gossip_request: upload_s -1.0 is not a finite number >= 0",
+        ),
+        (
+            GossipReply(round=2, meta={}, incoming=True, upload_s=float("inf")),
+            "gossip_reply: upload_s inf is not a finite number >= 0",
+        ),
         (StageState(stage=1, step=-1, samples=0), "stage_state: step -1 is negative"),
         (HeadBackup(step=-3, sender="p"), "head_backup: step -3 is negative"),
         (Rollback(stage=2, step=-1, sender="p"), "rollback: step -1 is negative"),

@@ -287,15 +287,17 @@ def test_the_period_is_derived_from_the_step_times_as_published_its_own_too() ->
     assert fresh._round_period() is None
 
 
-@pytest.mark.parametrize("mbit", [None, 1.0, 20.0])
+@pytest.mark.parametrize("mbit, given_s", [(None, 12.57), (0.3, 60.0), (1.0, 35.72), (20.0, 12.57)])
 async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_time(
-    mbit: float | None, caplog: pytest.LogCaptureFixture
+    mbit: float | None, given_s: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A contribution takes its bytes over the rate this node's uploads get; a partner waits
-    ``sync.request_timeout_s`` (10 s) plus its bytes at ``sync.min_link_mbps`` (10 Mbit/s).
-    Stage 1's contribution here (slow weights and pseudo-gradient, fp32) is 3.2 MB: 26 s at
-    1 Mbit/s against 12.6 s given, too thin; 1.3 s at 20 Mbit/s. Before any rate is known
-    nothing is judged."""
+    ``sync.request_timeout_s`` (10 s) plus its bytes at ``sync.min_link_mbps`` (10 Mbit/s),
+    or, where the proposal announced a longer upload, that upload plus 10 s, up to
+    ``sync.max_upload_wait_s`` (60 s). Stage 1's contribution here (slow weights and
+    pseudo-gradient, fp32) is 3.2 MB: 1.3 s at 20 Mbit/s (12.6 s given); 25.7 s at 1 Mbit/s,
+    announced, so 35.7 s given; 85.7 s at 0.3 Mbit/s against the 60 s bound, too thin.
+    Before any rate is known nothing is judged."""
     clock = WallClock(999_995.0)
     rate = None if mbit is None else mbit * 125_000
     fixed = {"sync.codec": "fp32"}  # the default, auto, would take int8 at 1 Mbit/s
@@ -311,8 +313,8 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
             assert status["contribution_send_s"] is None
         else:
             assert status["contribution_send_s"] == pytest.approx(nbytes / rate, abs=0.05)
-        assert status["contribution_given_s"] == pytest.approx(10 + nbytes / 1.25e6, abs=0.05)
-        thin = mbit == 1.0
+        assert status["contribution_given_s"] == pytest.approx(given_s, abs=0.05)
+        thin = mbit == 0.3
         assert status["uplink_too_thin"] is thin
         assert sync.ctx.counters["gossip_uplink_too_thin"] == thin
         warned = [r for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]
@@ -330,7 +332,8 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
         (20.0, "fp32", False),
         (1.5, "bf16", False),
         (1.0, "int8", False),
-        (0.4, "int8", True),
+        (0.4, "int8", False),
+        (0.08, "int8", True),
     ],
 )
 async def test_sync_codec_auto_sends_the_most_precise_contribution_that_arrives_in_time(
@@ -340,8 +343,10 @@ async def test_sync_codec_auto_sends_the_most_precise_contribution_that_arrives_
     is 3.2 MB in fp32, 1.6 MB in bf16, 0.81 MB in int8; a partner waits 10 s plus its bytes
     at 10 Mbit/s. At 1.5 Mbit/s fp32 takes 17.1 s (given 12.6 s), bf16 8.6 s (given 11.3 s):
     bf16. At 1 Mbit/s bf16 takes 12.9 s, int8 6.4 s (given 10.6 s): int8. At 0.4 Mbit/s int8
-    takes 16.1 s: nothing fits, so the most compact, and the node is told that only a lower
-    sync.min_link_mbps would let it pair. Before a rate is known: fp32, the published rule."""
+    takes 16.1 s: nothing fits, so the most compact, announced with the proposal (a partner
+    waits 26.1 s). At 0.08 Mbit/s int8 takes 80.9 s, past the 60 s a partner waits at most,
+    and the node is told that only a higher sync.max_upload_wait_s would let it pair. Before
+    a rate is known: fp32, the published rule."""
     clock = WallClock(999_995.0)
     rate = None if mbit is None else mbit * 125_000
     sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate, settings={"sync.codec": "auto"})
@@ -360,7 +365,7 @@ async def test_sync_codec_auto_sends_the_most_precise_contribution_that_arrives_
         warned = [r.getMessage() for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]
         assert len(warned) == thin
         if thin:
-            assert "in int8" in warned[0] and "A lower sync.min_link_mbps" in warned[0]
+            assert "in int8" in warned[0] and "A higher sync.max_upload_wait_s" in warned[0]
             assert "sync.codec = auto" not in warned[0]
     finally:
         runner.close()

@@ -367,6 +367,49 @@ async def test_a_contribution_is_given_time_to_cross_a_thin_link(allowance: bool
         assert (ra.partner_id, rb.partner_id) == (None, None)
 
 
+def test_a_promise_waits_for_the_upload_its_sender_announced_within_a_bound() -> None:
+    """10 s plus the bytes at 10 Mbit/s; an announced upload plus 10 s where longer, up to
+    ``max_upload_wait_s`` (60 s). A 2.4 MB contribution: 11.92 s allowed; announced at
+    19.2 s (1 Mbit/s): 29.2 s; at 96 s (0.2 Mbit/s): 60 s; announced under the allowance,
+    or not at all: the allowance. A 200 MB one (a 100 MB stage) is allowed 170 s, past the
+    bound, which never shortens a wait."""
+    cfg = GossipConfig()
+    assert cfg.promise_s(2.4e6) == pytest.approx(11.92)
+    assert cfg.promise_s(2.4e6, 1.0) == pytest.approx(11.92)
+    assert cfg.promise_s(2.4e6, 19.2) == pytest.approx(29.2)
+    assert cfg.promise_s(2.4e6, 96.0) == pytest.approx(60.0)
+    assert cfg.promise_s(200e6, 96.0) == pytest.approx(170.0)
+    assert GossipConfig(max_upload_wait_s=0.0).promise_s(2.4e6, 19.2) == pytest.approx(11.92)
+
+
+@pytest.mark.parametrize("announced", [True, False])
+async def test_replicas_whose_uploads_outlast_the_allowance_pair_when_they_say_so(
+    announced: bool,
+) -> None:
+    """Links slower than ``min_rate_bytes_s``: each contribution takes 1 s to cross, the
+    allowance is 0.46 s. Announced in the proposal and the promise, the partner waits 1.3 s
+    for the proposer's and the proposer 2.3 s for the exchange: they pair. Unannounced, the
+    promise lapses before the contribution arrives: both end solo."""
+    net = Net()
+    net.rate_bytes_s = 16_384.0  # a 16 KB contribution takes 1 s each way
+    a, b = make_gossip(
+        net, 2, request_timeout_s=0.3, round_deadline_s=0.5, min_rate_bytes_s=100_000.0
+    )
+    upload_s = 1.0 if announced else 0.0
+    big = [
+        Contribution({"phi": torch.full((4096,), float(i))}, {"who": i}, upload_s=upload_s)
+        for i in range(2)
+    ]
+    ra, rb = await asyncio.gather(a.exchange(0, big[0]), b.exchange(0, big[1]))
+    if announced:
+        assert {ra.partner_id, rb.partner_id} == {"p0", "p1"}
+        assert ra.contribution is not None and ra.contribution.meta == {"who": 1}
+        assert rb.contribution is not None and rb.contribution.meta == {"who": 0}
+    else:
+        assert (ra.partner_id, rb.partner_id) == (None, None)
+        assert a.num_lapsed + b.num_lapsed >= 1  # the promise (and an incoming after it)
+
+
 async def test_a_refusal_costs_no_upload_of_the_contribution() -> None:
     # eight replicas reaching the round at once refuse each other often; only the
     # contributions of replicas that pair travel, once each
@@ -518,19 +561,21 @@ async def test_a_proposer_whose_partner_is_sending_it_a_contribution_waits_for_i
 
 
 async def test_an_incoming_contribution_that_never_comes_holds_a_proposer_up_once() -> None:
-    """A replica that answers ``incoming`` and sends nothing holds its proposer for one
-    contribution's allowance, like a promise that lapses; for ``lapse_ban_s`` after, its
-    ``incoming`` is not waited for."""
+    """A replica that answers ``incoming`` and sends nothing holds its proposer for the time
+    it says it keeps sending, at most ``max_upload_wait_s``, like a promise that lapses; for
+    ``lapse_ban_s`` after, its ``incoming`` is not waited for."""
     net = Net()
-    liar, p = make_gossip(net, 2, request_timeout_s=0.3, round_deadline_s=1.0)
+    liar, p = make_gossip(
+        net, 2, request_timeout_s=0.3, round_deadline_s=1.0, max_upload_wait_s=0.6
+    )
 
     async def says_incoming(req: GossipRequest) -> GossipReply:
-        raise Refused("incoming", "on its way (it is not)")
+        return GossipReply(round=req.round, meta={}, incoming=True, upload_s=1e9)  # it is not
 
     liar.handle_request = says_incoming  # type: ignore[method-assign]
     t0 = time.monotonic()
     r0 = await p.exchange(0, contrib(1))
-    assert time.monotonic() - t0 >= 0.3  # waited: 0.3 s and 12 bytes at 10 Mbit/s
+    assert time.monotonic() - t0 >= 0.6  # waited: the longest it waits for any upload
     assert r0.partner_id is None and r0.refusals == {"incoming": 1} and p.num_lapsed == 1
     t0 = time.monotonic()
     r1 = await p.exchange(1, contrib(1))

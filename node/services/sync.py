@@ -143,6 +143,7 @@ class StageSync:
                 round_deadline_s=self.config.round_deadline_s,
                 listen_s=self.config.listen_s,
                 min_rate_bytes_s=self.config.min_link_mbps * 125_000,
+                max_upload_wait_s=self.config.max_upload_wait_s,
             ),
             transport=ctx.transport,
             clock=ctx.clock,
@@ -368,8 +369,8 @@ class StageSync:
         steps = self.runner.round_steps  # held: no inner step until the round ends
         codec = self._codec(2 * self.runner.outer.phi.numel(), self.gossip.config.allowed_s)
         tensors, meta = await self.runner.compute(self.runner.outer_contribution, codec, ref_steps)
-        mine = Contribution(tensors, meta)
-        self._judge_uplink(mine.nbytes, codec)
+        self._judge_uplink(tensor_bytes(tensors), codec)
+        mine = Contribution(tensors, meta, upload_s=self.contribution_send_s or 0.0)
         outcome = await self.gossip.exchange(round_, mine)
         self.proposals += outcome.num_attempts
         self.bytes_sent += tensor_bytes(tensors) * outcome.num_sent
@@ -420,14 +421,15 @@ class StageSync:
     def _judge_uplink(self, nbytes: int, codec: str) -> None:
         """Note whether a contribution of ``nbytes`` can reach a partner before it stops
         waiting: its upload at the rate this node's uploads get against the partner's
-        ``request_timeout_s`` plus its time at ``sync.min_link_mbps``. If it cannot, every
+        ``request_timeout_s`` plus its time at ``sync.min_link_mbps``, or, announced with the
+        proposal, the upload's own time, up to ``sync.max_upload_wait_s``. If it cannot, every
         exchange it sends ends solo for both, and a partner that accepted its proposal
         refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``): this
         node is counted (``gossip_uplink_too_thin``) and told what would fit."""
         rate = self.uplink_bytes_s()
-        given_s = self.gossip.config.allowed_s(nbytes)
+        self.contribution_send_s = send_s = None if not rate else nbytes / rate
+        given_s = self.gossip.config.promise_s(nbytes, send_s or 0.0)
         self.contribution_given_s = given_s
-        self.contribution_send_s = None if not rate else nbytes / rate
         if not self.uplink_too_thin():
             return
         self.ctx.counters["gossip_uplink_too_thin"] += 1
@@ -443,12 +445,12 @@ class StageSync:
             self.contribution_send_s,
             rate * 8 / 1e6,
             given_s,
-            "A lower sync.min_link_mbps on every replica (with rounds long enough to carry it, "
-            "sync.round_s) would let it pair"
+            "A higher sync.max_upload_wait_s on every replica (with rounds long enough to "
+            "carry it, sync.round_s) would let it pair"
             if codec == SYNC_CANDIDATES[-1]
             else "sync.codec = auto, the default (the codec that fits: bf16 halves it, int8 "
-            "quarters it), or a lower sync.min_link_mbps on every replica (with rounds long "
-            "enough, sync.round_s) would let it pair",
+            "quarters it), or a higher sync.max_upload_wait_s on every replica (with rounds "
+            "long enough, sync.round_s) would let it pair",
         )
 
     def uplink_too_thin(self) -> bool:
