@@ -369,11 +369,11 @@ class StageSync:
         steps = self.runner.round_steps  # held: no inner step until the round ends
         codec = self._codec(2 * self.runner.outer.phi.numel(), self.gossip.config.allowed_s)
         tensors, meta = await self.runner.compute(self.runner.outer_contribution, codec, ref_steps)
-        self._judge_uplink(tensor_bytes(tensors), codec)
-        mine = Contribution(tensors, meta, upload_s=self.contribution_send_s or 0.0)
+        nbytes = tensor_bytes(tensors)
+        mine = Contribution(tensors, meta, upload_s=self._judge_uplink(nbytes, codec))
         outcome = await self.gossip.exchange(round_, mine)
         self.proposals += outcome.num_attempts
-        self.bytes_sent += tensor_bytes(tensors) * outcome.num_sent
+        self.bytes_sent += nbytes * outcome.num_sent
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
             self.bytes_received += tensor_bytes(outcome.contribution.tensors)
@@ -418,20 +418,21 @@ class StageSync:
             self.codec = codec
         return codec
 
-    def _judge_uplink(self, nbytes: int, codec: str) -> None:
+    def _judge_uplink(self, nbytes: int, codec: str) -> float:
         """Note whether a contribution of ``nbytes`` can reach a partner before it stops
         waiting: its upload at the rate this node's uploads get against the partner's
         ``request_timeout_s`` plus its time at ``sync.min_link_mbps``, or, announced with the
         proposal, the upload's own time, up to ``sync.max_upload_wait_s``. If it cannot, every
         exchange it sends ends solo for both, and a partner that accepted its proposal
         refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``): this
-        node is counted (``gossip_uplink_too_thin``) and told what would fit."""
+        node is counted (``gossip_uplink_too_thin``) and told what would fit. Returns the
+        upload's seconds, announced with the proposal (0: the rate is not known)."""
         rate = self.uplink_bytes_s()
         self.contribution_send_s = send_s = None if not rate else nbytes / rate
         given_s = self.gossip.config.promise_s(nbytes, send_s or 0.0)
         self.contribution_given_s = given_s
         if not self.uplink_too_thin():
-            return
+            return send_s or 0.0
         self.ctx.counters["gossip_uplink_too_thin"] += 1
         assert rate
         self._thin_log.log(
@@ -452,6 +453,7 @@ class StageSync:
             "quarters it), or a higher sync.max_upload_wait_s on every replica (with rounds "
             "long enough, sync.round_s) would let it pair",
         )
+        return send_s or 0.0
 
     def uplink_too_thin(self) -> bool:
         """Whether this replica's last NoLoCo contribution could not reach a partner in time."""
