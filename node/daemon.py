@@ -536,7 +536,7 @@ class Node:
             self.guard,
             clock_offset=lambda: self.membership.stage_offset_s(stage),
             published_step_s=self._published_step_s,
-            uplink_bytes_s=lambda: self.hops.wire.settled_bytes_s,
+            uplink_bytes_s=self.hops.sync_bytes_s,
         )
         state.ready = True
         log.info("serving stage %d (step %d)", stage, runner.step)

@@ -40,7 +40,7 @@ from node.net.uplink import UplinkTurns
 from protocol.messages import Ack, Dropped, Hop, Message, PeerRecord, expect
 from swarm.seams import Refused, TransportError
 from swarm.window import MIN_SIZE
-from swarm.wirecodec import MIN_TIMED_BYTES, CodecChoice, payload_bytes
+from swarm.wirecodec import MIN_TIMED_BYTES, CodecChoice, UploadLoad, payload_bytes, spare_bytes_s
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,8 @@ class HopSender:
         self._thin_since: float | None = None
         """Since when the uplink has been too thin, without a break (None: it is not)."""
         self.turns = UplinkTurns()
+        self.load = UploadLoad()
+        """The hops' upload traffic: what an outer sync's transfer shares the uplink with."""
 
     def codec(self, numel: int, job_s: float) -> str:
         """The codec for a tensor of ``numel`` values from a node that computes a job in
@@ -225,6 +227,12 @@ class HopSender:
             )
         return codec
 
+    def sync_bytes_s(self) -> float | None:
+        """The rate an outer sync's upload gets beside the hops: the settled rate their
+        receivers report less the hops' own traffic, at least half of it (None: not
+        measured; ``swarm.wirecodec.spare_bytes_s``)."""
+        return spare_bytes_s(self.wire.settled_bytes_s, self.load.bytes_s(time.monotonic()))
+
     def wire_status(self) -> dict[str, Any]:
         """What ``node status`` shows of the wire codec."""
         rate = self.wire.rate_bytes_s
@@ -237,6 +245,7 @@ class HopSender:
             "send_s": None if self.send_s is None else round(self.send_s, 1),
             "too_thin": self.too_thin(),
             "uplink_waiting": self.turns.waiting,
+            "load_mbps": round(self.load.bytes_s(time.monotonic()) * 8 / 1e6, 2),
         }
 
     async def send_to(self, hop: Hop, msg: Message) -> str | None:
@@ -380,11 +389,13 @@ class HopSender:
             ctx.counters[f"send_failed_{code}"] += 1
             if code == "timeout":  # the payload got at most its bytes over the deadline
                 self.wire.observe_timeout(nbytes, timeout_s)
+                self.load.record(time.monotonic(), nbytes)  # it held the uplink meanwhile
             self._log.log(
                 f"send{peer_id}", logging.WARNING, "%s to %s failed: %s", msg.TYPE, peer_id[:8], e
             )
             return code
         trip_s = time.monotonic() - t0
         self.wire.observe_upload(ack.rate, nbytes, trip_s)
+        self.load.record(t0 + trip_s, nbytes)
         ctx.router.finished(peer_id, True, ctx.clock.now(), trip_s, ack.queue, ack.service_rate)
         return None

@@ -55,12 +55,21 @@ that round's contribution in int8. It is the default: on every link that carries
 time it changes nothing, and on one that does not the fp32 contribution arrives too late
 to be averaged at all (``bench/gossip_thin.py``).
 
-Pure policy: numbers in, a codec name out; no clock needed (rates come with their samples).
+An outer sync's transfer crosses the uplink while the hops keep using it: the node reads
+its rate as what the hops leave of the link (``spare_bytes_s``), at least half of it, the
+hops' own traffic measured over the last ``LOAD_WINDOW_S`` (``UploadLoad``). Read as the
+whole link, a contribution announced 10.6 s of upload behind a 2 Mbit/s uplink and its
+partner waited 20.6 s for a reply that took longer: the pairing was one-sided in half the
+rounds (``bench/gossip_thin.py``).
+
+Pure policy: numbers in, a codec name out; the clock comes in as an explicit ``now``
+(rates come with their samples).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,6 +84,9 @@ SYNC_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "int8")
 SETTLED_TIMEOUTS = 3
 """Timed-out requests in a row, with no measurement between, after which the rate an outer
 sync's codec is chosen by is their bound (``CodecChoice.settled_bytes_s``)."""
+LOAD_WINDOW_S = 30.0
+"""The hops' traffic is averaged over this many seconds (``UploadLoad``): about a thin
+uplink's contribution upload, the time it shares the link with them."""
 UP_MARGIN = 0.5
 """A more precise codec is taken back only when its payload would take this fraction of a
 job's compute time or less."""
@@ -189,6 +201,41 @@ class CodecChoice:
             self.codec = CANDIDATES[want]
             self.num_switches += 1
         return self.codec
+
+
+class UploadLoad:
+    """The bytes a node's hops uploaded over the last ``window_s`` seconds, per second."""
+
+    def __init__(self, window_s: float = LOAD_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._sent: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def record(self, now: float, nbytes: int) -> None:
+        """An upload of ``nbytes`` that crossed the link (or timed out on it) at ``now``."""
+        self._sent.append((now, nbytes))
+        self._total += nbytes
+        self._forget(now)
+
+    def bytes_s(self, now: float) -> float:
+        """Bytes per second uploaded in the window that ends at ``now`` (a node that began
+        less than a window ago reads low: its window is not full)."""
+        self._forget(now)
+        return self._total / self.window_s
+
+    def _forget(self, now: float) -> None:
+        while self._sent and self._sent[0][0] <= now - self.window_s:
+            self._total -= self._sent.popleft()[1]
+
+
+def spare_bytes_s(rate_bytes_s: float | None, load_bytes_s: float) -> float | None:
+    """What an upload that keeps sending gets from an uplink of ``rate_bytes_s`` (None: not
+    measured) that also carries ``load_bytes_s`` of other traffic: the rate that traffic
+    leaves, and at least half the link, since TCP shares a bottleneck about evenly among the
+    connections that keep it busy (with turns, ``node.net.uplink``, the hops hold one)."""
+    if rate_bytes_s is None:
+        return None
+    return max(rate_bytes_s - max(0.0, load_bytes_s), rate_bytes_s / 2)
 
 
 def sync_codec_unmeasured(setting: str) -> str:

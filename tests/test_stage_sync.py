@@ -297,11 +297,12 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
     ``sync.max_upload_wait_s`` (60 s). Stage 1's contribution here (slow weights and
     pseudo-gradient, fp32) is 3.2 MB: 1.3 s at 20 Mbit/s (12.6 s given); 25.7 s at 1 Mbit/s,
     announced, so 35.7 s given; 85.7 s at 0.3 Mbit/s against the 60 s bound, too thin.
-    Before any rate is known nothing is judged."""
+    Before any rate is known nothing is judged. Rounds of 100 s carry any of these
+    exchanges that a partner waits for."""
     clock = WallClock(999_995.0)
     rate = None if mbit is None else mbit * 125_000
     fixed = {"sync.codec": "fp32"}  # the default, auto, would take int8 at 1 Mbit/s
-    sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate, settings=fixed)
+    sync, runner, tasks = lone_replica(clock, 100.0, uplink_bytes_s=rate, settings=fixed)
     try:
         sync.poll()
         inner_steps(runner, 2)
@@ -321,6 +322,39 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
         assert len(warned) == thin
         if thin:
             assert "int8 quarters it" in warned[0].getMessage()
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("round_s, thin", [(10.0, True), (20.0, False)])
+async def test_a_replica_says_when_its_exchange_outlasts_the_round(
+    round_s: float, thin: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stage 1's fp32 contribution (3.2 MB) takes 8.0 s at 3.2 Mbit/s, within the 18 s a
+    partner waits (announced: 10 s more); with the partner's own upload an exchange takes
+    about 16 s. That fits a
+    20 s round, but not a 10 s one: the replica would reach its next round late, and its
+    partners' proposals there meet ``not_ready`` or ``stale``. It is counted and told to
+    take rounds of at least 30 s."""
+    clock = WallClock(999_995.0)
+    fixed = {"sync.codec": "fp32"}
+    sync, runner, tasks = lone_replica(clock, round_s, uplink_bytes_s=400_000.0, settings=fixed)
+    try:
+        sync.poll()
+        inner_steps(runner, 2)
+        sync.poll()
+        await round_at(sync, runner, tasks, clock, 1_000_000.1)
+        status = sync.status()
+        assert status["contribution_send_s"] == pytest.approx(8.0, abs=0.1)
+        assert status["contribution_given_s"] == pytest.approx(18.0, abs=0.1)
+        assert status["contribution_round_s"] == round_s
+        assert status["uplink_too_thin"] is thin
+        assert sync.ctx.counters["gossip_uplink_too_thin"] == thin
+        warned = [r.getMessage() for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]
+        assert len(warned) == thin
+        if thin:
+            assert "exchange takes about 16 s, longer than a 10 s round" in warned[0]
+            assert "rounds of at least 30 s" in warned[0]
     finally:
         runner.close()
 
@@ -346,10 +380,11 @@ async def test_sync_codec_auto_sends_the_most_precise_contribution_that_arrives_
     takes 16.1 s: nothing fits, so the most compact, announced with the proposal (a partner
     waits 26.1 s). At 0.08 Mbit/s int8 takes 80.9 s, past the 60 s a partner waits at most,
     and the node is told that only a higher sync.max_upload_wait_s would let it pair. Before
-    a rate is known: fp32, the published rule."""
+    a rate is known: fp32, the published rule. Rounds of 100 s carry these exchanges."""
     clock = WallClock(999_995.0)
     rate = None if mbit is None else mbit * 125_000
-    sync, runner, tasks = lone_replica(clock, uplink_bytes_s=rate, settings={"sync.codec": "auto"})
+    auto = {"sync.codec": "auto"}
+    sync, runner, tasks = lone_replica(clock, 100.0, uplink_bytes_s=rate, settings=auto)
     try:
         sync.poll()
         inner_steps(runner, 2)

@@ -325,6 +325,24 @@ def test_a_turn_is_held_until_the_ack_is_back() -> None:
     assert second[0] - first[1] == pytest.approx(0.3, abs=0.1)
 
 
+def test_an_outer_sync_upload_is_given_what_the_hops_leave_of_the_uplink() -> None:
+    """Two hops of 0.3 MB at 1 MB/s, then one that times out: 0.9 MB crossed the link in the
+    last 30 s, 30 kB/s, so an outer sync's upload reads 970 kB/s; the status says 0.24
+    Mbit/s of hops. Before any rate is known there is nothing to share."""
+    rate = 1e6
+    nbytes = 300_000
+    transport = SharingTransport(rate)
+    hops = sender(transport, hop_timeout_s=2.0)
+    assert hops.sync_bytes_s() is None
+    assert asyncio.run(send_all(hops, ["forward"] * 2, nbytes, gap_s=0.0)) == [True] * 2
+    transport.rate = nbytes / 3.0  # the next one takes 3 s, past the deadline
+    assert asyncio.run(send_all(hops, ["forward"], nbytes)) == [False]
+    assert hops.ctx.counters["send_failed_timeout"] == 1
+    assert hops.wire.settled_bytes_s == pytest.approx(rate)  # one timeout does not move it
+    assert hops.sync_bytes_s() == pytest.approx(rate - 3 * nbytes / 30.0, rel=1e-3)
+    assert hops.wire_status()["load_mbps"] == 0.24
+
+
 def test_a_node_whose_receivers_are_all_relayed_recovers_from_a_timeout() -> None:
     """A relayed receiver reports no rate. After one hop timed out (a dead receiver on a
     fast link), its bound made every later bf16 upload look 2 s long: the node took int8

@@ -20,8 +20,10 @@ from swarm.wirecodec import (
     MIN_TIMED_BYTES,
     SETTLED_TIMEOUTS,
     CodecChoice,
+    UploadLoad,
     arrival_rate,
     payload_bytes,
+    spare_bytes_s,
     sync_codec,
     sync_codec_unmeasured,
 )
@@ -215,6 +217,7 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
             "send_s": None,
             "too_thin": False,
             "uplink_waiting": 0,
+            "load_mbps": 0.0,
         }
         node.hops.wire.observe(2.5e6)  # 20 Mbit/s
         assert node.hops.codec(NUMEL, 0.05) == "int8"
@@ -226,6 +229,7 @@ async def test_auto_follows_the_reported_rate_and_shows_it() -> None:
             "send_s": 0.1,  # 262,656 B at 2.5e6 B/s: 0.105 s
             "too_thin": False,
             "uplink_waiting": 0,
+            "load_mbps": 0.0,
         }
         assert "wire codec int8 (auto: payloads arrive at 20.0 Mbit/s)" in format_status(
             node.status()
@@ -304,3 +308,35 @@ def test_before_any_rate_auto_sends_the_published_rules_fp32_and_a_fixed_codec_s
     assert sync_codec_unmeasured("auto") == "fp32"
     for fixed in ("fp32", "bf16", "int8"):
         assert sync_codec_unmeasured(fixed) == fixed
+
+
+def test_the_hops_load_is_their_bytes_over_the_window() -> None:
+    """A 30 s window: 3 MB at t = 0 and 1.5 MB at t = 20 read 150 kB/s at t = 25; at t = 30
+    the first has left the window (50 kB/s), at t = 50 the second (0). A node that began
+    less than a window ago reads low, its bytes over the whole window."""
+    load = UploadLoad(window_s=30.0)
+    assert load.bytes_s(0.0) == 0.0
+    load.record(0.0, 3_000_000)
+    load.record(20.0, 1_500_000)
+    assert load.bytes_s(25.0) == pytest.approx(150_000)
+    assert load.bytes_s(30.0) == pytest.approx(50_000)
+    assert load.bytes_s(50.0) == 0.0
+    load.record(51.0, 600_000)
+    assert load.bytes_s(51.0) == pytest.approx(20_000)
+
+
+@pytest.mark.parametrize(
+    "rate, load, spare",
+    [
+        (None, 1e5, None),  # not measured: nothing to share
+        (250_000.0, 0.0, 250_000.0),  # 2 Mbit/s, no hops: the whole link
+        (250_000.0, 50_000.0, 200_000.0),  # hops send 0.4 Mbit/s: what they leave
+        (250_000.0, 150_000.0, 125_000.0),  # they would leave 0.8: TCP's even share, half
+        (250_000.0, 400_000.0, 125_000.0),  # a load read above the link: still half
+        (250_000.0, -5.0, 250_000.0),
+    ],
+)
+def test_an_outer_sync_upload_gets_what_the_hops_leave_and_at_least_half(
+    rate: float | None, load: float, spare: float | None
+) -> None:
+    assert spare_bytes_s(rate, load) == spare

@@ -81,9 +81,9 @@ class StageSync:
         (``swarm.membership.MembershipService.stage_offset_s``). ``published_step_s()``: this
         replica's seconds per inner step as its record last told its partners (0: not yet),
         the figure the stage's step times are read with (``_step_times``).
-        ``uplink_bytes_s()``: the rate this node's uploads get, as its hops' receivers report
-        it, which one timed-out hop does not lower (None: not known yet;
-        ``swarm.wirecodec.CodecChoice.settled_bytes_s``)."""
+        ``uplink_bytes_s()``: the rate an outer sync's upload gets, what the hops leave of the
+        rate their receivers report, which one timed-out hop does not lower (None: not known
+        yet; ``node.pipeline.HopSender.sync_bytes_s``)."""
         self.ctx = ctx
         self.runner = runner
         self.guard = guard
@@ -94,6 +94,8 @@ class StageSync:
         """Seconds this replica's last NoLoCo contribution takes to upload at that rate."""
         self.contribution_given_s: float | None = None
         """Seconds a partner waits for it (``swarm.gossip.GossipConfig``)."""
+        self.contribution_round_s: float | None = None
+        """The clock round's seconds it was judged against (None: rounds by steps)."""
         self._thin_log = RateLimitedLog(log, THIN_GOSSIP_WARNING_EVERY_S)
         self.codec: str = sync_codec_unmeasured(ctx.config.sync.codec)
         """The codec of this replica's last outer-sync transfer (``sync.codec``, or what
@@ -431,34 +433,56 @@ class StageSync:
         self.contribution_send_s = send_s = None if not rate else nbytes / rate
         given_s = self.gossip.config.promise_s(nbytes, send_s or 0.0)
         self.contribution_given_s = given_s
+        period = self._period_s() if self.clocked else None
+        self.contribution_round_s = period or None
         if not self.uplink_too_thin():
             return send_s or 0.0
         self.ctx.counters["gossip_uplink_too_thin"] += 1
-        assert rate
+        assert rate and send_s is not None
+        where = (
+            f"a partner waits {given_s:.0f} s for it"
+            if send_s > given_s
+            else f"with its partner's upload an exchange takes about {2 * send_s:.0f} s, "
+            f"longer than a {period:.0f} s round, so it reaches its next round late"
+        )
         self._thin_log.log(
             "thin",
             logging.WARNING,
             "this node's uplink is too thin for NoLoCo: its contribution (%.1f MB in %s) "
-            "takes %.0f s at the %.2f Mbit/s its uploads get, and a partner waits %.0f s for "
-            "it, so its rounds end solo. %s",
+            "takes %.0f s at the %.2f Mbit/s its uploads get beside its hops, and %s; its "
+            "rounds end solo. %s",
             nbytes / 1e6,
             codec,
-            self.contribution_send_s,
+            send_s,
             rate * 8 / 1e6,
-            given_s,
-            "A higher sync.max_upload_wait_s on every replica (with rounds long enough to "
-            "carry it, sync.round_s) would let it pair"
-            if codec == SYNC_CANDIDATES[-1]
-            else "sync.codec = auto, the default (the codec that fits: bf16 halves it, int8 "
-            "quarters it), or a higher sync.max_upload_wait_s on every replica (with rounds "
-            "long enough, sync.round_s) would let it pair",
+            where,
+            self._thin_advice(codec, send_s),
         )
-        return send_s or 0.0
+        return send_s
+
+    def _thin_advice(self, codec: str, send_s: float) -> str:
+        """What would let a replica whose contribution takes ``send_s`` in ``codec`` pair."""
+        rounds = (
+            f"rounds of at least {_round_up(3 * send_s)} s (sync.round_s on every replica: "
+            f"an exchange takes about {2 * send_s:.0f} s)"
+        )
+        if codec != SYNC_CANDIDATES[-1]:
+            return (
+                "sync.codec = auto, the default (the codec that fits: bf16 halves it, int8 "
+                f"quarters it), or a higher sync.max_upload_wait_s and {rounds}, would let "
+                "it pair"
+            )
+        return f"A higher sync.max_upload_wait_s and {rounds} would let it pair"
 
     def uplink_too_thin(self) -> bool:
-        """Whether this replica's last NoLoCo contribution could not reach a partner in time."""
+        """Whether this replica's last NoLoCo contribution could not reach a partner in time:
+        its upload takes longer than a partner waits, or the exchange (its upload and the
+        partner's, as long again) takes longer than a clock round."""
         send_s, given_s = self.contribution_send_s, self.contribution_given_s
-        return send_s is not None and given_s is not None and send_s > given_s
+        if send_s is None or given_s is None:
+            return False
+        period = self.contribution_round_s
+        return send_s > given_s or (period is not None and 2 * send_s > period)
 
     async def _screened(self, partner_id: str, contribution: Contribution) -> Offer | None:
         """The partner's offer if it passes the screen; else None, and the partner is banned."""
@@ -593,12 +617,19 @@ class StageSync:
             "clock_restarts": self.clock_restarts,
             "contribution_send_s": _rounded(self.contribution_send_s),
             "contribution_given_s": _rounded(self.contribution_given_s),
+            "contribution_round_s": _rounded(self.contribution_round_s),
             "uplink_too_thin": self.uplink_too_thin(),
         }
 
 
 def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 1)
+
+
+def _round_up(seconds: float) -> int:
+    """``seconds`` rounded up to a whole minute past a minute, to ten seconds below it."""
+    step = 60 if seconds > 60 else 10
+    return int(math.ceil(seconds / step) * step)
 
 
 CLOCK_BACK_WAIT_S = 30.0
