@@ -14,10 +14,13 @@ For each ``sync.codec`` of ``--codecs`` in turn (the same on both replicas), and
 seconds from the moment both serve: each replica's rounds (paired, solo), what its status
 says of its uplink (the contribution's seconds to send against a partner's wait), the codec
 its last round used, its proposals a round and the bytes it gossiped, and the head's
-completed microbatches. Writes ``bench/results/<--name>.json`` (``gossip_thin``).
+completed microbatches. With ``--against OLD`` every run is made on that commit first
+(checked out as a worktree, ``bench.ab.this_and``), then on this checkout; each run names
+its commit. Writes ``bench/results/<--name>.json`` (``gossip_thin``).
 
 Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]
-[--max-upload-wait-s 60] [--name gossip_thin]`` (as root: network namespaces).
+[--max-upload-wait-s 60] [--against OLD] [--name gossip_thin]`` (as root: network
+namespaces).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ def live(
             "contribution_given_s": s["contribution_given_s"],
             "uplink_too_thin": s["uplink_too_thin"],
             "link_mbit": st["wire"]["link_mbps"],
+            "hop_load_mbit": st["wire"].get("load_mbps"),  # older commits: None
             "spread_rms_mean": s["spread_rms_mean"],
             "proposals": s["proposals"],
             "proposals_per_round": round(s["proposals"] / max(1, paired + solo), 1),
@@ -124,32 +128,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="gossip_thin", help="the results file's name")
     p.add_argument("--logs", type=Path, default=Path("/tmp/gossip_thin"))
+    p.add_argument("--against", help="an older commit to run first, side by side")
     args = p.parse_args(argv)
+    from bench.ab import inside, short_rev, this_and
+
     rows = []
-    for codec, wait_s in ((c, w) for w in args.max_upload_wait_s for c in args.codecs):
-        say(
-            f"sync.codec {codec}, sync.max_upload_wait_s {wait_s:g}, NATed replica behind "
-            f"{args.mbit:g} Mbit/s"
-        )
-        row = live(
-            codec,
-            args.mbit,
-            args.measure_s,
-            args.round_s,
-            args.logs / f"{codec}-{wait_s:g}",
-            wait_s,
-        )
-        for name in ("public", "natted"):
-            r = row[name]
+    variants = [(c, w) for w in args.max_upload_wait_s for c in args.codecs]
+    with this_and(args.against) as checkouts:
+        for (codec, wait_s), (commit, tree) in ((v, c) for v in variants for c in checkouts):
             say(
-                f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired, last in "
-                f"{r['codec']}, send {r['contribution_send_s']} s against "
-                f"{r['contribution_given_s']} s given, link {r['link_mbit']} Mbit/s, "
-                f"{r['proposals_per_round']} proposals a round, {r['sync_mb_sent']} MB sent"
+                f"{commit}: sync.codec {codec}, sync.max_upload_wait_s {wait_s:g}, NATed "
+                f"replica behind {args.mbit:g} Mbit/s"
             )
-        say(f"  head: {row['head_microbatches']} microbatches in {row['measure_s']} s")
-        rows.append(row)
-    from bench.ab import short_rev
+            with inside(tree):
+                at = args.logs / f"{codec}-{wait_s:g}-{commit}"
+                row = live(codec, args.mbit, args.measure_s, args.round_s, at, wait_s)
+            row["commit"] = commit
+            for name in ("public", "natted"):
+                r = row[name]
+                say(
+                    f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired, last in "
+                    f"{r['codec']}, send {r['contribution_send_s']} s against "
+                    f"{r['contribution_given_s']} s given, link {r['link_mbit']} Mbit/s, "
+                    f"{r['proposals_per_round']} proposals a round, {r['sync_mb_sent']} MB sent"
+                )
+            say(f"  head: {row['head_microbatches']} microbatches in {row['measure_s']} s")
+            rows.append(row)
 
     result = {
         "commit": short_rev(),
