@@ -51,7 +51,8 @@ weights), the most compact when none does. It reads the rate that one timeout do
 lower (``CodecChoice.settled_bytes_s``): the activations' codec is chosen at every hop and
 recovers at the next report, but a round's codec holds for the whole round, and on a busy
 machine a single timed-out 512 kB hop bounded a fast link to 0.4 Mbit/s, which would send
-that round's contribution in int8. It is the default: on every link that carries fp32 in
+that round's contribution in int8. As for the hops, a more precise codec than the last
+round's is taken back only within ``UP_MARGIN`` of its allowance. It is the default: on every link that carries fp32 in
 time it changes nothing, and on one that does not the fp32 contribution arrives too late
 to be averaged at all (``bench/gossip_thin.py``).
 
@@ -244,15 +245,25 @@ def sync_codec_unmeasured(setting: str) -> str:
     return SYNC_CANDIDATES[0] if setting == "auto" else setting
 
 
-def sync_codec(numel: int, rate_bytes_s: float | None, allowed_s: Callable[[float], float]) -> str:
+def sync_codec(
+    numel: int,
+    rate_bytes_s: float | None,
+    allowed_s: Callable[[float], float],
+    current: str | None = None,
+) -> str:
     """The codec for an outer-sync transfer of ``numel`` values from a node whose uploads
     get ``rate_bytes_s`` (None: not measured yet): the most precise of ``SYNC_CANDIDATES``
     whose payload ``n`` arrives in time, ``n / rate <= allowed_s(n)`` (what the receiver
-    waits for ``n`` bytes); the most compact when none does; fp32 while the rate is unknown."""
+    waits for ``n`` bytes); the most compact when none does; fp32 while the rate is unknown.
+    A codec more precise than ``current`` (the last round's) must arrive within
+    ``UP_MARGIN`` of its allowance: the rate is read beside the hops, whose load moves from
+    round to round, so a codec that only just fits would be taken one round and arrive too
+    late the next."""
     if rate_bytes_s is None or not is_rate(rate_bytes_s):
         return SYNC_CANDIDATES[0]
-    for codec in SYNC_CANDIDATES:
+    here = SYNC_CANDIDATES.index(current) if current in SYNC_CANDIDATES else 0
+    for i, codec in enumerate(SYNC_CANDIDATES):
         n = payload_bytes(codec, numel)
-        if n / rate_bytes_s <= allowed_s(n):
+        if n / rate_bytes_s <= allowed_s(n) * (UP_MARGIN if i < here else 1.0):
             return codec
     return SYNC_CANDIDATES[-1]

@@ -340,3 +340,24 @@ def test_an_outer_sync_upload_gets_what_the_hops_leave_and_at_least_half(
     rate: float | None, load: float, spare: float | None
 ) -> None:
     assert spare_bytes_s(rate, load) == spare
+
+
+@pytest.mark.parametrize(
+    "current, rate, codec",
+    [
+        ("fp32", 2.5e5, "bf16"),  # down at once: fp32 16 s > 13.2 s given; bf16 8 s fits
+        ("bf16", 3.5e5, "bf16"),  # fp32 would fit (11.4 s of 13.2) but not in half of it
+        (None, 3.5e5, "fp32"),  # the same rate without a last round: fp32
+        ("bf16", 6.1e5, "fp32"),  # 6.56 s, within half of 13.2 s: back to fp32
+        ("int8", 2.5e5, "int8"),  # bf16 8 s fits 11.6 s, not half of it
+        ("int8", 3.5e5, "bf16"),  # bf16 5.71 s within 5.8 s
+    ],
+)
+def test_sync_codec_moves_up_only_with_room_to_spare(
+    current: str | None, rate: float, codec: str
+) -> None:
+    """A million values, 10 s plus the payload at 10 Mbit/s given: a more precise codec
+    than the last round's is taken back only when it arrives within half its allowance
+    (``UP_MARGIN``), so a rate that moves with the hops' load does not flip the codec from
+    round to round; a less precise one is taken as soon as the current one is late."""
+    assert sync_codec(1_000_000, rate, lambda n: 10.0 + n / 1.25e6, current) == codec

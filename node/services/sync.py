@@ -408,7 +408,7 @@ class StageSync:
         if self.config.codec != "auto":
             return self.config.codec
         rate = self.uplink_bytes_s()
-        codec = sync_codec(numel, rate, allowed_s)
+        codec = sync_codec(numel, rate, allowed_s, self.codec)
         if codec != self.codec:
             log.info(
                 "sync.codec auto: %s for outer rounds from now (%d values a transfer, "
