@@ -426,8 +426,10 @@ class StageSync:
         ``request_timeout_s`` plus its time at ``sync.min_link_mbps``, or, announced with the
         proposal, the upload's own time, up to ``sync.max_upload_wait_s``. If it cannot, every
         exchange it sends ends solo for both, and a partner that accepted its proposal
-        refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``): this
-        node is counted (``gossip_uplink_too_thin``) and told what would fit. Returns the
+        refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``). Nor
+        can it pair where its exchange (its upload and its partner's) outlasts a clock round:
+        it reaches its next round late. Either way this node is counted
+        (``gossip_uplink_too_thin``) and told what would fit. Returns the
         upload's seconds, announced with the proposal (0: the rate is not known)."""
         rate = self.uplink_bytes_s()
         self.contribution_send_s = send_s = None if not rate else nbytes / rate
@@ -456,23 +458,27 @@ class StageSync:
             send_s,
             rate * 8 / 1e6,
             where,
-            self._thin_advice(codec, send_s),
+            self._thin_advice(codec, send_s, given_s),
         )
         return send_s
 
-    def _thin_advice(self, codec: str, send_s: float) -> str:
-        """What would let a replica whose contribution takes ``send_s`` in ``codec`` pair."""
-        rounds = (
+    def _thin_advice(self, codec: str, send_s: float, given_s: float) -> str:
+        """What would let a replica whose contribution takes ``send_s`` in ``codec``, waited
+        for ``given_s``, pair."""
+        fix = (
             f"rounds of at least {_round_up(3 * send_s)} s (sync.round_s on every replica: "
             f"an exchange takes about {2 * send_s:.0f} s)"
         )
+        if send_s > given_s:
+            fix = f"a higher sync.max_upload_wait_s and {fix}"
         if codec != SYNC_CANDIDATES[-1]:
-            return (
+            fix = (
                 "sync.codec = auto, the default (the codec that fits: bf16 halves it, int8 "
-                f"quarters it), or a higher sync.max_upload_wait_s and {rounds}, would let "
-                "it pair"
+                f"quarters it), or {fix}"
             )
-        return f"A higher sync.max_upload_wait_s and {rounds} would let it pair"
+        if not fix.startswith("sync."):  # a setting's name keeps its case
+            fix = fix[0].upper() + fix[1:]
+        return f"{fix} would let it pair"
 
     def uplink_too_thin(self) -> bool:
         """Whether this replica's last NoLoCo contribution could not reach a partner in time:
