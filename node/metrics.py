@@ -555,7 +555,8 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         yield _gauge(
             "murmur_sync_uplink_too_thin",
             "1 when this replica's last NoLoCo contribution takes longer to upload, at the rate "
-            "its uploads get, than a partner waits for it: its rounds end solo.",
+            "its hops leave it, than a partner waits for it, or its exchange longer than a "
+            "round: its rounds end solo.",
             1.0 if sync["uplink_too_thin"] else 0.0,
         )
     if sync.get("spread_rms") is not None:
