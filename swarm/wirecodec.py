@@ -52,9 +52,9 @@ lower (``CodecChoice.settled_bytes_s``): the activations' codec is chosen at eve
 recovers at the next report, but a round's codec holds for the whole round, and on a busy
 machine a single timed-out 512 kB hop bounded a fast link to 0.4 Mbit/s, which would send
 that round's contribution in int8. As for the hops, a more precise codec than the last
-round's is taken back only within ``UP_MARGIN`` of its allowance. It is the default: on every link that carries fp32 in
-time it changes nothing, and on one that does not the fp32 contribution arrives too late
-to be averaged at all (``bench/gossip_thin.py``).
+round's is taken back only within ``UP_MARGIN`` of its allowance. It is the default: on
+every link that carries fp32 in time it changes nothing, and on one that does not the fp32
+contribution arrives too late to be averaged at all (``bench/gossip_thin.py``).
 
 An outer sync's transfer crosses the uplink while the hops keep using it: the node reads
 its rate as what the hops leave of the link (``spare_bytes_s``), at least half of it, the
@@ -90,7 +90,7 @@ LOAD_WINDOW_S = 30.0
 uplink's contribution upload, the time it shares the link with them."""
 UP_MARGIN = 0.5
 """A more precise codec is taken back only when its payload would take this fraction of a
-job's compute time or less."""
+job's compute time or less (an outer sync's: of the time its receiver waits for it)."""
 
 
 def payload_bytes(codec: str, numel: int) -> float:
