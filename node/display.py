@@ -120,11 +120,14 @@ def format_status(st: dict[str, Any]) -> str:
         )
         if sync.get("uplink_too_thin"):
             send_s, given_s = sync["contribution_send_s"], sync["contribution_given_s"]
-            round_s = sync.get("contribution_round_s")
+            round_s, exchange_s = (
+                sync.get("contribution_round_s"),
+                sync.get("contribution_exchange_s"),
+            )
             late = (
                 f"a partner waits {given_s:.0f} s"
-                if send_s > given_s or not round_s
-                else f"an exchange takes about {2 * send_s:.0f} s of a {round_s:.0f} s round"
+                if send_s > given_s or not round_s or exchange_s is None
+                else f"an exchange takes about {exchange_s:.0f} s of a {round_s:.0f} s round"
             )
             lines.append(
                 f"  uplink too thin to gossip: a contribution takes {send_s:.0f} s to send and "

@@ -578,6 +578,7 @@ def test_node_status_says_when_the_uplink_is_too_thin_to_gossip() -> None:
     assert said in text
     # in time for a partner, but its exchange (about twice its upload) outlasts the round
     st["sync"].update(contribution_send_s=8.0, contribution_given_s=12.6, contribution_round_s=10.0)
+    st["sync"]["contribution_exchange_s"] = 16.0
     said = "a contribution takes 8 s to send and an exchange takes about 16 s of a 10 s round"
     assert said in format_status(st)
     st["sync"]["uplink_too_thin"] = False

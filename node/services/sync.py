@@ -435,17 +435,18 @@ class StageSync:
         self.contribution_send_s = send_s = None if not rate else nbytes / rate
         given_s = self.gossip.config.promise_s(nbytes, send_s or 0.0)
         self.contribution_given_s = given_s
-        period = self._period_s() if self.clocked else None
-        self.contribution_round_s = period or None
+        self.contribution_round_s = (self._period_s() or None) if self.clocked else None
         if not self.uplink_too_thin():
             return send_s or 0.0
         self.ctx.counters["gossip_uplink_too_thin"] += 1
-        assert rate and send_s is not None
+        exchange_s = self.contribution_exchange_s
+        assert rate and send_s is not None and exchange_s is not None
         where = (
             f"a partner waits {given_s:.0f} s for it"
             if send_s > given_s
-            else f"with its partner's upload an exchange takes about {2 * send_s:.0f} s, "
-            f"longer than a {period:.0f} s round, so it reaches its next round late"
+            else f"with its partner's upload an exchange takes about {exchange_s:.0f} s, "
+            f"longer than a {self.contribution_round_s:.0f} s round, so it reaches its next "
+            "round late"
         )
         self._thin_log.log(
             "thin",
@@ -458,16 +459,16 @@ class StageSync:
             send_s,
             rate * 8 / 1e6,
             where,
-            self._thin_advice(codec, send_s, given_s),
+            self._thin_advice(codec, send_s, given_s, exchange_s),
         )
         return send_s
 
-    def _thin_advice(self, codec: str, send_s: float, given_s: float) -> str:
+    def _thin_advice(self, codec: str, send_s: float, given_s: float, exchange_s: float) -> str:
         """What would let a replica whose contribution takes ``send_s`` in ``codec``, waited
-        for ``given_s``, pair."""
+        for ``given_s``, its exchange ``exchange_s``, pair."""
         fix = (
-            f"rounds of at least {_round_up(3 * send_s)} s (sync.round_s on every replica: "
-            f"an exchange takes about {2 * send_s:.0f} s)"
+            f"rounds of at least {_round_up(1.5 * exchange_s)} s (sync.round_s on every "
+            f"replica: an exchange takes about {exchange_s:.0f} s)"
         )
         if send_s > given_s:
             fix = f"a higher sync.max_upload_wait_s and {fix}"
@@ -480,15 +481,22 @@ class StageSync:
             fix = fix[0].upper() + fix[1:]
         return f"{fix} would let it pair"
 
+    @property
+    def contribution_exchange_s(self) -> float | None:
+        """About how long an exchange of the last contribution takes: its upload and its
+        partner's, as long again (None: the rate is not known)."""
+        send_s = self.contribution_send_s
+        return None if send_s is None else 2 * send_s
+
     def uplink_too_thin(self) -> bool:
         """Whether this replica's last NoLoCo contribution could not reach a partner in time:
-        its upload takes longer than a partner waits, or the exchange (its upload and the
-        partner's, as long again) takes longer than a clock round."""
+        its upload takes longer than a partner waits, or its exchange takes longer than a
+        clock round."""
         send_s, given_s = self.contribution_send_s, self.contribution_given_s
-        if send_s is None or given_s is None:
+        exchange_s, period = self.contribution_exchange_s, self.contribution_round_s
+        if send_s is None or given_s is None or exchange_s is None:
             return False
-        period = self.contribution_round_s
-        return send_s > given_s or (period is not None and 2 * send_s > period)
+        return send_s > given_s or (period is not None and exchange_s > period)
 
     async def _screened(self, partner_id: str, contribution: Contribution) -> Offer | None:
         """The partner's offer if it passes the screen; else None, and the partner is banned."""
@@ -624,6 +632,7 @@ class StageSync:
             "contribution_send_s": _rounded(self.contribution_send_s),
             "contribution_given_s": _rounded(self.contribution_given_s),
             "contribution_round_s": _rounded(self.contribution_round_s),
+            "contribution_exchange_s": _rounded(self.contribution_exchange_s),
             "uplink_too_thin": self.uplink_too_thin(),
         }
 
