@@ -126,7 +126,9 @@ class Contribution:
     meta: dict[str, Any]
     upload_s: float = 0.0
     """Seconds its upload takes at the rate this replica's uploads get (0: not known),
-    announced with its proposals."""
+    announced with its proposals. On a partner's contribution received: what that partner
+    announced, in its proposal or its promise (0: it said nothing, as in a one-message
+    exchange)."""
 
     @property
     def nbytes(self) -> int:
@@ -231,6 +233,8 @@ class GossipService:
         self._promised: str | None = None
         """The replica whose proposal we accepted and whose contribution we wait for."""
         self._promise_until = 0.0
+        self._promised_upload_s = 0.0
+        """The upload the replica we promised to announced (0: none)."""
         self._incoming: str | None = None
         """The replica that answered ``incoming``: the promise we keep is to it."""
         self._sent_as_acceptor = False
@@ -398,7 +402,7 @@ class GossipService:
         finally:
             self._target = self._sending_to = None
         if not partner.done():
-            partner.set_result((peer.peer_id, Contribution(reply.tensors, reply.meta)))
+            partner.set_result((peer.peer_id, Contribution(reply.tensors, reply.meta, back_s)))
         return None
 
     async def _request(
@@ -473,7 +477,7 @@ class GossipService:
             if self._target == req.sender and self.self_id < req.sender:
                 # we proposed to each other: the larger id accepts, so only ours stands
                 raise Refused("busy", f"round {req.round}: our own proposal to you stands", 409)
-            self._promised = req.sender
+            self._promised, self._promised_upload_s = req.sender, req.upload_s
             # its contribution is as large as ours (same stage; with sync.codec = auto a
             # partner on a faster uplink may send a larger codec, which that uplink carries
             # sooner): allow its upload, or what it says its uplink takes, within bounds
@@ -482,6 +486,7 @@ class GossipService:
             self._promise_until = self.clock.now() + wait_s
             return GossipReply(round=req.round, meta={}, upload_s=self._mine.upload_s)
         assert self._mine is not None
-        partner.set_result((req.sender, Contribution(req.tensors, req.meta)))
+        upload_s = self._promised_upload_s if promised == req.sender else 0.0
+        partner.set_result((req.sender, Contribution(req.tensors, req.meta, upload_s)))
         self._sent_as_acceptor = True
         return GossipReply(round=req.round, meta=self._mine.meta, tensors=self._mine.tensors)

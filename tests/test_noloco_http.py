@@ -105,3 +105,23 @@ async def test_a_paired_round_over_http_follows_the_rule_on_both_sides(pair: Any
             assert err < 1e-6, (
                 f"{key} of the {'asker' if me is asker else 'answerer'} is {err:.2e} off"
             )
+
+
+async def test_each_side_of_a_pair_hears_the_upload_time_the_other_announced(pair: Any) -> None:
+    """The asker's uploads get 1 MB/s, the answerer's 2 MB/s: each announces its
+    contribution's time at its rate, and each records the other's (the asker's from its
+    proposal, the answerer's from its promise), which its next judgement of an exchange's
+    length reads: its own upload, then the partner's, never longer than its own."""
+    asker, answerer = pair
+    asker.sync.uplink_bytes_s = lambda: 1e6
+    answerer.sync.uplink_bytes_s = lambda: 2e6
+    first = asyncio.create_task(outer_round(asker))
+    await asyncio.sleep(0.3)
+    await asyncio.gather(first, outer_round(answerer))
+    for me, other in ((asker, answerer), (answerer, asker)):
+        assert me.sync.rounds == {"paired": 1}, me.sync.rounds
+        assert list(me.sync.partner_uploads) == [pytest.approx(other.sync.contribution_send_s)]
+    mine, theirs = asker.sync.contribution_send_s, answerer.sync.contribution_send_s
+    assert mine == pytest.approx(2 * theirs) and mine > 1.0  # the same bytes, half the rate
+    assert asker.sync.contribution_exchange_s == pytest.approx(mine + theirs)
+    assert answerer.sync.contribution_exchange_s == pytest.approx(2 * theirs)  # the slower: its own

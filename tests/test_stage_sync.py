@@ -326,19 +326,33 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
         runner.close()
 
 
-@pytest.mark.parametrize("round_s, thin", [(10.0, True), (20.0, False)])
+@pytest.mark.parametrize(
+    "round_s, partners, exchange_s",
+    [
+        (10.0, [], 16.0),
+        (20.0, [], 16.0),
+        (10.0, [1.5, 1.0, 2.0], 9.5),
+        (10.0, [1.0, 1.5, 40.0], 9.5),
+        (10.0, [30.0, 1.0, 30.0], 16.0),
+    ],
+)
 async def test_a_replica_says_when_its_exchange_outlasts_the_round(
-    round_s: float, thin: bool, caplog: pytest.LogCaptureFixture
+    round_s: float, partners: list[float], exchange_s: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Stage 1's fp32 contribution (3.2 MB) takes 8.0 s at 3.2 Mbit/s, within the 18 s a
-    partner waits (announced: 10 s more); with the partner's own upload an exchange takes
-    about 16 s. That fits a
-    20 s round, but not a 10 s one: the replica would reach its next round late, and its
-    partners' proposals there meet ``not_ready`` or ``stale``. It is counted and told to
-    take rounds of at least 30 s."""
+    partner waits (announced: 10 s more). An exchange is that upload, then the partner's:
+    with no partner's time known, as long again, 16 s. That fits a 20 s round, but not a
+    10 s one: the replica would reach its next round late, and its partners' proposals there
+    meet ``not_ready`` or ``stale``. It is counted and told to take rounds of at least 30 s.
+    Recent partners that announced 1.5, 1 and 2 s (median 1.5) make it 9.5 s, which a 10 s
+    round carries: not too thin; one partner announcing 40 s among them moves the median
+    nowhere. Partners slower than this replica (median 30 s) count as long as its own: 16 s,
+    too thin, as with none known."""
     clock = WallClock(999_995.0)
     fixed = {"sync.codec": "fp32"}
     sync, runner, tasks = lone_replica(clock, round_s, uplink_bytes_s=400_000.0, settings=fixed)
+    sync.partner_uploads.extend(partners)
+    thin = exchange_s > round_s
     try:
         sync.poll()
         inner_steps(runner, 2)
@@ -348,6 +362,7 @@ async def test_a_replica_says_when_its_exchange_outlasts_the_round(
         assert status["contribution_send_s"] == pytest.approx(8.0, abs=0.1)
         assert status["contribution_given_s"] == pytest.approx(18.0, abs=0.1)
         assert status["contribution_round_s"] == round_s
+        assert status["contribution_exchange_s"] == pytest.approx(exchange_s, abs=0.2)
         assert status["uplink_too_thin"] is thin
         assert sync.ctx.counters["gossip_uplink_too_thin"] == thin
         warned = [r.getMessage() for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]

@@ -410,6 +410,37 @@ async def test_replicas_whose_uploads_outlast_the_allowance_pair_when_they_say_s
         assert a.num_lapsed + b.num_lapsed >= 1  # the promise (and an incoming after it)
 
 
+async def test_a_partners_contribution_carries_the_upload_time_it_announced() -> None:
+    """p0 announces 3 s, p1 5 s. Whichever proposes, each receives the other's contribution
+    with the time its sender announced: the proposer's from its proposal, the acceptor's
+    from its promise. A contribution sent in one message, with no proposal before it,
+    announced nothing (0)."""
+    roles = set()
+    for round_ in range(6):
+        net = Net()
+        a, b = make_gossip(net, 2)
+        a.rng, b.rng = random.Random(round_), random.Random(100 + round_)
+        mine = [
+            Contribution({"phi": torch.full((3,), float(i))}, {"who": i}, upload_s=s)
+            for i, s in enumerate((3.0, 5.0))
+        ]
+        ra, rb = await asyncio.gather(a.exchange(0, mine[0]), b.exchange(0, mine[1]))
+        assert ra.contribution is not None and rb.contribution is not None
+        assert (ra.contribution.upload_s, rb.contribution.upload_s) == (5.0, 3.0)
+        roles.add(a._sent_as_acceptor)
+    assert roles == {True, False}  # p0 accepted in some rounds, proposed in others
+    net = Net()
+    _, b = make_gossip(net, 2, round_deadline_s=0.3)  # p0 never takes part
+    b_round = asyncio.ensure_future(b.exchange(0, contrib(1)))
+    await asyncio.sleep(0)
+    await b.handle_request(
+        GossipRequest(stage=1, round=0, sender="p0", meta={}, tensors=contrib(0).tensors)
+    )
+    outcome = await b_round
+    assert outcome.partner_id == "p0" and outcome.contribution is not None
+    assert outcome.contribution.upload_s == 0.0
+
+
 async def test_a_refusal_costs_no_upload_of_the_contribution() -> None:
     # eight replicas reaching the round at once refuse each other often; only the
     # contributions of replicas that pair travel, once each

@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 THIN_GOSSIP_WARNING_EVERY_S = 300.0
 """How often a replica whose uplink cannot carry its NoLoCo contribution in time says so."""
 
+PARTNER_UPLOADS = 8
+"""Recent partners' announced upload times an exchange's length is estimated from (their
+median: a partner that announces a wrong time moves it only with half of them)."""
+
 
 def weight_screen(config: SyncConfig) -> WeightScreen:
     """The screen a replica puts its partners' offers through, as configured."""
@@ -96,6 +100,9 @@ class StageSync:
         """Seconds a partner waits for it (``swarm.gossip.GossipConfig``)."""
         self.contribution_round_s: float | None = None
         """The clock round's seconds it was judged against (None: rounds by steps)."""
+        self.partner_uploads: deque[float] = deque(maxlen=PARTNER_UPLOADS)
+        """The upload seconds this replica's recent NoLoCo partners announced (those that
+        said: ``swarm.gossip.Contribution.upload_s``), the latest last."""
         self._thin_log = RateLimitedLog(log, THIN_GOSSIP_WARNING_EVERY_S)
         self.codec: str = sync_codec_unmeasured(ctx.config.sync.codec)
         """The codec of this replica's last outer-sync transfer (``sync.codec``, or what
@@ -379,6 +386,8 @@ class StageSync:
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
             self.bytes_received += tensor_bytes(outcome.contribution.tensors)
+            if outcome.contribution.upload_s > 0:
+                self.partner_uploads.append(outcome.contribution.upload_s)
             offer = await self._screened(outcome.partner_id, outcome.contribution)
             if offer is None:
                 self.rounds["rejected"] += 1
@@ -483,10 +492,19 @@ class StageSync:
 
     @property
     def contribution_exchange_s(self) -> float | None:
-        """About how long an exchange of the last contribution takes: its upload and its
-        partner's, as long again (None: the rate is not known)."""
+        """About how long an exchange of the last contribution takes: its upload, then its
+        partner's (None: the rate is not known). The partner's is the median of what recent
+        partners announced (``partner_uploads``), as long as this replica's own where none
+        said, and never longer: a partner slower than this replica is that partner's
+        uplink to mend, and it judges itself. So a thin replica whose partners upload
+        quickly is not told its uplink is too thin for a round its exchanges fit (its
+        partner's half assumed as long as its own, a 30 s round behind a 20 s upload was),
+        and a partner cannot make it warn by announcing a long upload."""
         send_s = self.contribution_send_s
-        return None if send_s is None else 2 * send_s
+        if send_s is None:
+            return None
+        theirs = statistics.median(self.partner_uploads) if self.partner_uploads else send_s
+        return send_s + min(send_s, theirs)
 
     def uplink_too_thin(self) -> bool:
         """Whether this replica's last NoLoCo contribution could not reach a partner in time:
