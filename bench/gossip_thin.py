@@ -101,6 +101,8 @@ def live(
             "contribution_send_s": s["contribution_send_s"],
             "contribution_given_s": s["contribution_given_s"],
             "uplink_too_thin": s["uplink_too_thin"],
+            "too_thin_rounds": st["counters"].get("gossip_uplink_too_thin", 0),
+            "contribution_exchange_s": s.get("contribution_exchange_s"),  # older: None
             "link_mbit": st["wire"]["link_mbps"],
             "hop_load_mbit": st["wire"].get("load_mbps"),  # older commits: None
             "spread_rms_mean": s["spread_rms_mean"],
