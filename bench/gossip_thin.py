@@ -103,6 +103,7 @@ def live(
             "uplink_too_thin": s["uplink_too_thin"],
             "too_thin_rounds": st["counters"].get("gossip_uplink_too_thin", 0),
             "contribution_exchange_s": s.get("contribution_exchange_s"),  # older: None
+            "round_multiple": s.get("round_multiple", 1),  # older: every round
             "link_mbit": st["wire"]["link_mbps"],
             "hop_load_mbit": st["wire"].get("load_mbps"),  # older commits: None
             "spread_rms_mean": s["spread_rms_mean"],
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in ("public", "natted"):
                 r = row[name]
                 say(
-                    f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired, last in "
-                    f"{r['codec']}, send {r['contribution_send_s']} s against "
-                    f"{r['contribution_given_s']} s given, link {r['link_mbit']} Mbit/s, "
+                    f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired (each "
+                    f"{r['round_multiple']} of the stage's), last in {r['codec']}, send "
+                    f"{r['contribution_send_s']} s against {r['contribution_given_s']} s given, "
+                    f"exchange {r['contribution_exchange_s']} s, link {r['link_mbit']} Mbit/s, "
                     f"{r['proposals_per_round']} proposals a round, {r['sync_mb_sent']} MB sent"
                 )
             say(f"  head: {row['head_microbatches']} microbatches in {row['measure_s']} s")

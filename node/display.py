@@ -105,6 +105,8 @@ def format_status(st: dict[str, Any]) -> str:
         per = sync["seconds_sum"] / sync["seconds_count"] if sync["seconds_count"] else 0.0
         spread = "-" if sync.get("spread_rms") is None else f"{sync['spread_rms']:.2e}"
         every = f" every {sync['round_s']:g}s" if sync.get("round_s") else ""
+        if (multiple := sync.get("round_multiple") or 1) > 1:
+            every += f" ({multiple} of the stage's rounds: its exchange outlasts one)"
         offset = sync.get("clock_offset_s") or 0.0
         if abs(offset) >= 1.0:
             every += f" of the stage's clock ({offset:+.1f}s from this machine's)"

@@ -555,9 +555,17 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         yield _gauge(
             "murmur_sync_uplink_too_thin",
             "1 when this replica's last NoLoCo contribution takes longer to upload, at the rate "
-            "its hops leave it, than a partner waits for it, or its exchange longer than a "
-            "round: its rounds end solo.",
+            "its hops leave it, than a partner waits for it, or its exchange longer than "
+            "eight of the stage's rounds: its rounds end solo.",
             1.0 if sync["uplink_too_thin"] else 0.0,
+        )
+    if "round_multiple" in sync:
+        yield _gauge(
+            "murmur_sync_round_multiple",
+            "How many of the stage's clock rounds one of this replica's NoLoCo rounds spans: "
+            "more than 1 where its exchange outlasts the stage's round (it pairs in every "
+            "such round it takes).",
+            float(sync["round_multiple"]),
         )
     if sync.get("spread_rms") is not None:
         yield _gauge(

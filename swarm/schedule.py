@@ -102,6 +102,42 @@ def round_period(
     return power_of_two_at_least(want_s)
 
 
+ROUND_ROOM = 1.5
+"""A round a replica takes should last this many times its exchange: room for a partner's
+proposal to find it, the exchange, and the outer step before the next boundary."""
+MAX_ROUND_MULTIPLE = 8
+"""The most of the stage's rounds one round of a replica with a thin uplink spans: beyond
+it the replica's contribution is too stale to be worth the wait, and it says so instead."""
+
+
+def round_multiple(exchange_s: float | None, period_s: float | None, current: int = 1) -> int:
+    """How many of the stage's rounds (``period_s`` each) one NoLoCo round of a replica whose
+    exchange takes ``exchange_s`` spans (``current``: as many as it spans now).
+
+    An exchange is the replica's upload, then its partner's. Where it outlasts the round
+    the replica takes, the replica reaches its next boundary late: its partners' proposals
+    there meet ``not_ready`` or ``stale`` and its rounds end solo (behind a 2 Mbit/s
+    uplink with 30 s rounds, 2 of 6 paired, live). Taking every ``m``-th of the stage's
+    rounds instead, ``m`` the least power of two whose span holds ``ROUND_ROOM`` times the
+    exchange (at most ``MAX_ROUND_MULTIPLE``), it meets its partners at each boundary it
+    takes: the grids nest, as the periods of ``round_period`` do. Back to fewer only where
+    they hold that room too, so an exchange near the edge does not flip the span each
+    round. Unknown figures keep ``current``.
+
+    Still NoLoCo's rule: in the rounds it takes the replica pairs and steps as published,
+    its pseudo-gradient covering ``m`` rounds of inner steps (scaled to the stage's usual
+    steps in that span, ``swarm.outer.scale_by_steps``); its partners pair among
+    themselves in the rounds it skips. What it costs is that replica's pull toward the
+    others, ``m`` times rarer, which a solo round does not give at all."""
+    if not exchange_s or not period_s or exchange_s <= 0 or period_s <= 0:
+        return current
+    need = ROUND_ROOM * exchange_s / period_s
+    want = min(MAX_ROUND_MULTIPLE, 2 ** max(0, math.ceil(math.log2(need))))
+    if exchange_s > current * period_s:
+        return max(current, want)
+    return min(current, want)
+
+
 def _derivable(period_s: float) -> bool:
     """Whether ``period_s`` is one a derived schedule takes (``power_of_two_at_least``
     gives it back). A long one is harmless: it is taken only where its band holds the

@@ -121,6 +121,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_sync_places_clamped": ("counter", set()),
     "murmur_sync_clock_restarts": ("counter", set()),
     "murmur_sync_uplink_too_thin": ("gauge", set()),
+    "murmur_sync_round_multiple": ("gauge", set()),
     "murmur_replica_spread_rms": ("gauge", set()),
     "murmur_clock_offset_seconds": ("gauge", set()),
     "murmur_recoveries": ("counter", {"kind"}),
@@ -255,6 +256,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
             "contribution_send_s": 14.2,
             "contribution_given_s": 11.9,
             "uplink_too_thin": True,
+            "round_multiple": 1,
         },
         "recovery": {
             "recoveries": {"checkfree": 1},
@@ -407,6 +409,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_replica_spread_rms") == 0.0125
     assert one("murmur_clock_offset_seconds") == -12.5
     assert one("murmur_sync_uplink_too_thin") == 1
+    assert one("murmur_sync_round_multiple") == 1
     assert one("murmur_recoveries_total", kind="checkfree") == 1
     assert one("murmur_recovery_duration_seconds_sum") == 4.0
     assert one("murmur_recovery_source_weight", source_stage="3") == 0.75
@@ -576,13 +579,17 @@ def test_node_status_says_when_the_uplink_is_too_thin_to_gossip() -> None:
     text = format_status(st)
     said = "uplink too thin to gossip: a contribution takes 14 s to send and a partner waits 12 s"
     assert said in text
-    # in time for a partner, but its exchange (about twice its upload) outlasts the round
+    # in time for a partner, but its exchange outlasts the round
     st["sync"].update(contribution_send_s=8.0, contribution_given_s=12.6, contribution_round_s=10.0)
     st["sync"]["contribution_exchange_s"] = 16.0
     said = "a contribution takes 8 s to send and an exchange takes about 16 s of a 10 s round"
     assert said in format_status(st)
     st["sync"]["uplink_too_thin"] = False
     assert "too thin to gossip" not in format_status(st)
+    # it takes every 4th round of the stage instead: said, and a gauge
+    st["sync"].update(round_multiple=4, round_s=40.0)
+    assert "every 40s (4 of the stage's rounds: its exchange outlasts one)" in format_status(st)
+    assert "murmur_sync_round_multiple 4.0" in scrape(FakeNode(st))
 
 
 def test_node_status_and_metrics_say_when_the_event_loop_was_held_up() -> None:

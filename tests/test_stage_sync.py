@@ -327,32 +327,40 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
 
 
 @pytest.mark.parametrize(
-    "round_s, partners, exchange_s",
+    "round_s, partners, exchange_s, multiple",
     [
-        (10.0, [], 16.0),
-        (20.0, [], 16.0),
-        (10.0, [1.5, 1.0, 2.0], 9.5),
-        (10.0, [1.0, 1.5, 40.0], 9.5),
-        (10.0, [30.0, 1.0, 30.0], 16.0),
+        (20.0, [], 16.0, 1),
+        (10.0, [], 16.0, 4),
+        (10.0, [1.5, 1.0, 2.0], 9.5, 1),
+        (10.0, [1.0, 1.5, 40.0], 9.5, 1),
+        (10.0, [30.0, 1.0, 30.0], 16.0, 4),
+        (1.5, [], 16.0, 8),
     ],
 )
-async def test_a_replica_says_when_its_exchange_outlasts_the_round(
-    round_s: float, partners: list[float], exchange_s: float, caplog: pytest.LogCaptureFixture
+async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_rounds(
+    round_s: float,
+    partners: list[float],
+    exchange_s: float,
+    multiple: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Stage 1's fp32 contribution (3.2 MB) takes 8.0 s at 3.2 Mbit/s, within the 18 s a
     partner waits (announced: 10 s more). An exchange is that upload, then the partner's:
     with no partner's time known, as long again, 16 s. That fits a 20 s round, but not a
     10 s one: the replica would reach its next round late, and its partners' proposals there
-    meet ``not_ready`` or ``stale``. It is counted and told to take rounds of at least 30 s.
-    Recent partners that announced 1.5, 1 and 2 s (median 1.5) make it 9.5 s, which a 10 s
-    round carries: not too thin; one partner announcing 40 s among them moves the median
-    nowhere. Partners slower than this replica (median 30 s) count as long as its own: 16 s,
-    too thin, as with none known."""
+    meet ``not_ready`` or ``stale``. So from the next boundary it takes every 4th round of
+    the stage (40 s hold 1.5 x 16 s; 20 s would not), publishes 40 s, and skips the
+    boundaries between. Recent partners that announced 1.5, 1 and 2 s (median 1.5) make
+    the exchange 9.5 s, which a 10 s round carries; one partner announcing 40 s among them
+    moves the median nowhere. Partners slower than this replica (median 30 s) count as long
+    as its own: 16 s, as with none known. Behind 1.5 s rounds even eight (12 s) are too
+    short: it is counted, warned and told to take rounds of at least 10 s (1.5 x 16 s over
+    eight, rounded up)."""
     clock = WallClock(999_995.0)
     fixed = {"sync.codec": "fp32"}
     sync, runner, tasks = lone_replica(clock, round_s, uplink_bytes_s=400_000.0, settings=fixed)
     sync.partner_uploads.extend(partners)
-    thin = exchange_s > round_s
+    thin = exchange_s > multiple * round_s
     try:
         sync.poll()
         inner_steps(runner, 2)
@@ -361,17 +369,47 @@ async def test_a_replica_says_when_its_exchange_outlasts_the_round(
         status = sync.status()
         assert status["contribution_send_s"] == pytest.approx(8.0, abs=0.1)
         assert status["contribution_given_s"] == pytest.approx(18.0, abs=0.1)
-        assert status["contribution_round_s"] == round_s
+        assert status["round_multiple"] == multiple
+        assert status["round_s"] == status["contribution_round_s"] == multiple * round_s
         assert status["contribution_exchange_s"] == pytest.approx(exchange_s, abs=0.2)
         assert status["uplink_too_thin"] is thin
         assert sync.ctx.counters["gossip_uplink_too_thin"] == thin
-        warned = [r.getMessage() for r in caplog.records if "too thin for NoLoCo" in r.getMessage()]
+        logged = [r.getMessage() for r in caplog.records]
+        spans = [m for m in logged if "pairs in those" in m]
+        assert len(spans) == (multiple > 1)
+        if multiple == 4:
+            assert "takes every 4th round from the next (40 s)" in spans[0]
+            # the boundaries between its own are not its rounds
+            clock.wall_s = 1_000_010.1
+            sync.poll()
+            assert not tasks
+            await round_at(sync, runner, tasks, clock, 1_000_040.1)
+        warned = [m for m in logged if "too thin for NoLoCo" in m]
         assert len(warned) == thin
         if thin:
-            assert "exchange takes about 16 s, longer than a 10 s round" in warned[0]
+            assert "exchange takes about 16 s, longer than a 12 s round" in warned[0]
             assert "sync.codec = auto, the default" in warned[0]
-            assert "or rounds of at least 30 s" in warned[0]
+            assert "or rounds of at least 10 s" in warned[0]
             assert "max_upload_wait_s" not in warned[0]  # a partner waits long enough
+    finally:
+        runner.close()
+
+
+def test_partners_whose_published_period_skips_this_round_are_not_asked() -> None:
+    """On 10 s rounds, at the boundary 1_000_010 s: a partner on 10 s rounds and one that
+    published nothing yet are asked; one taking every 2nd round (20 s) takes 1_000_020,
+    not this one, and is not; at 1_000_020 all three are."""
+    clock = WallClock(1_000_010.5)
+    sync, runner, _ = lone_replica(clock, 10.0)
+    try:
+        now = time.monotonic()
+        for n, published in enumerate((10.0, 0.0, 20.0)):
+            record = PeerRecord(f"{n}" * 16, f"127.0.0.1:{n + 2}", 1, ready=True, round_s=published)
+            sync.ctx.table.observe(record, now)
+        sync.last_round = 1_000_010_000
+        assert sorted(p.round_s for p in sync._partners()) == [0.0, 10.0]
+        sync.last_round = 1_000_020_000
+        assert sorted(p.round_s for p in sync._partners()) == [0.0, 10.0, 20.0]
     finally:
         runner.close()
 

@@ -42,7 +42,14 @@ from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingC
 from protocol.quant import tensor_bytes
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
-from swarm.schedule import PACE_ROUNDS, round_period, round_share
+from swarm.schedule import (
+    MAX_ROUND_MULTIPLE,
+    PACE_ROUNDS,
+    ROUND_ROOM,
+    round_multiple,
+    round_period,
+    round_share,
+)
 from swarm.screen import ScreenConfig, WeightScreen
 from swarm.seams import Refused
 from swarm.wirecodec import SYNC_CANDIDATES, sync_codec, sync_codec_unmeasured
@@ -136,6 +143,10 @@ class StageSync:
         self.period: float | None = None
         """Seconds per round on the clock schedule (None until the stage's step times are
         known, when derived)."""
+        self.round_multiple = 1
+        """How many of the stage's clock rounds one round of this replica spans: more than
+        one where its NoLoCo exchange outlasts the stage's round
+        (``swarm.schedule.round_multiple``)."""
         self._stage_checked = -math.inf
         self.last_round = -1
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
@@ -174,12 +185,17 @@ class StageSync:
         )
 
     def _partners(self) -> list[PeerRecord]:
-        """Live replicas of our stage that gossip may pair with: banned ones are skipped."""
+        """Live replicas of our stage that gossip may pair with: banned ones are skipped,
+        and on the clock schedule so are those whose published period puts no boundary at
+        this round's (one taking every other round, ``round_multiple``, or one still on a
+        coarser grid): asked, they would hold the proposal and answer ``not_ready``."""
         now = self.ctx.clock.now()
+        boundary = self.last_round if self.clocked else None
         return [
             p
             for p in self.ctx.table.replicas(self.stage)
             if not self.ctx.router.is_quarantined(p.peer_id, now)
+            and (boundary is None or _on_grid(boundary, p.round_s))
         ]
 
     # ---- incoming -----------------------------------------------------------------------
@@ -241,7 +257,13 @@ class StageSync:
         return (self._period_s() or 0.0) if self.clocked else 0.0
 
     def _period_s(self) -> float | None:
-        """The clock schedule's period in use: set, or as last derived (None: not yet)."""
+        """The period this replica's clock rounds run on: the stage's, times the rounds one
+        of its rounds spans (None: not known yet)."""
+        stage_s = self._stage_period_s()
+        return None if stage_s is None else stage_s * self.round_multiple
+
+    def _stage_period_s(self) -> float | None:
+        """The stage's clock period: set, or as last derived (None: not yet)."""
         return self.config.round_s if self.config.round_s > 0 else self.period
 
     def _step_times(self) -> list[float]:
@@ -444,6 +466,8 @@ class StageSync:
         self.contribution_send_s = send_s = None if not rate else nbytes / rate
         given_s = self.gossip.config.promise_s(nbytes, send_s or 0.0)
         self.contribution_given_s = given_s
+        if self.clocked:
+            self._span_rounds(self.contribution_exchange_s)
         self.contribution_round_s = (self._period_s() or None) if self.clocked else None
         if not self.uplink_too_thin():
             return send_s or 0.0
@@ -472,15 +496,37 @@ class StageSync:
         )
         return send_s
 
+    def _span_rounds(self, exchange_s: float | None) -> None:
+        """Take every ``round_multiple``-th of the stage's rounds, from the next boundary on,
+        as an exchange of ``exchange_s`` needs (``swarm.schedule.round_multiple``); a change
+        is logged."""
+        stage_s = self._stage_period_s()
+        multiple = round_multiple(exchange_s, stage_s, self.round_multiple)
+        if multiple == self.round_multiple or stage_s is None or exchange_s is None:
+            return
+        more, self.round_multiple = multiple > self.round_multiple, multiple
+        (log.warning if more else log.info)(
+            "noloco: an exchange (this replica's upload, then its partner's) takes about "
+            "%.0f s against the stage's %.0f s round: this replica takes %s round from the "
+            "next (%.0f s) and pairs in those%s",
+            exchange_s,
+            stage_s,
+            _every(multiple),
+            stage_s * multiple,
+            "; its partners pair among themselves in the others" if multiple > 1 else "",
+        )
+
     def _thin_advice(self, codec: str, send_s: float, given_s: float, exchange_s: float) -> str:
         """What would let a replica whose contribution takes ``send_s`` in ``codec``, waited
         for ``given_s``, its exchange ``exchange_s``, pair."""
-        fix = (
-            f"rounds of at least {_round_up(1.5 * exchange_s)} s (sync.round_s on every "
-            f"replica: an exchange takes about {exchange_s:.0f} s)"
-        )
         if send_s > given_s:
-            fix = f"a higher sync.max_upload_wait_s and {fix}"
+            fix = "a higher sync.max_upload_wait_s on every replica"
+        else:
+            fix = (
+                f"rounds of at least {_round_up(ROUND_ROOM * exchange_s / MAX_ROUND_MULTIPLE)} "
+                f"s (sync.round_s on every replica: an exchange takes about {exchange_s:.0f} s, "
+                f"and this replica takes at most every {_ordinal(MAX_ROUND_MULTIPLE)} round)"
+            )
         if codec != SYNC_CANDIDATES[-1]:
             fix = (
                 "sync.codec = auto, the default (the codec that fits: bf16 halves it, int8 "
@@ -651,12 +697,29 @@ class StageSync:
             "contribution_given_s": _rounded(self.contribution_given_s),
             "contribution_round_s": _rounded(self.contribution_round_s),
             "contribution_exchange_s": _rounded(self.contribution_exchange_s),
+            "round_multiple": self.round_multiple,
             "uplink_too_thin": self.uplink_too_thin(),
         }
 
 
 def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 1)
+
+
+def _on_grid(boundary_ms: int, period_s: float) -> bool:
+    """Whether a replica on clock rounds of ``period_s`` (0: not published) takes the round
+    of ``boundary_ms``."""
+    period_ms = round(period_s * 1000)
+    return period_ms <= 0 or boundary_ms % period_ms == 0
+
+
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+
+
+def _every(multiple: int) -> str:
+    """How a replica taking every ``multiple``-th round says so: "every", "every 2nd"..."""
+    return "every" if multiple == 1 else f"every {_ordinal(multiple)}"
 
 
 def _round_up(seconds: float) -> int:
