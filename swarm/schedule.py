@@ -120,9 +120,12 @@ def round_multiple(exchange_s: float | None, period_s: float | None, current: in
     uplink with 30 s rounds, 2 of 6 paired, live). Taking every ``m``-th of the stage's
     rounds instead, ``m`` the least power of two whose span holds ``ROUND_ROOM`` times the
     exchange (at most ``MAX_ROUND_MULTIPLE``), it meets its partners at each boundary it
-    takes: the grids nest, as the periods of ``round_period`` do. Back to fewer only where
-    they hold that room too, so an exchange near the edge does not flip the span each
-    round. Unknown figures keep ``current``.
+    takes: the grids nest, as the periods of ``round_period`` do. It goes up at most
+    twice as many at a time: a first estimate (no partner has announced its upload yet, so
+    the partner's half is taken as long as its own) and an early rate read low parked a
+    replica on every 8th round for four minutes, live, where 2 would have carried its
+    exchange. Back to fewer only where they hold that room too, so an exchange near the
+    edge does not flip the span each round. Unknown figures keep ``current``.
 
     Still NoLoCo's rule: in the rounds it takes the replica pairs and steps as published,
     its pseudo-gradient covering ``m`` rounds of inner steps (scaled to the stage's usual
@@ -134,7 +137,7 @@ def round_multiple(exchange_s: float | None, period_s: float | None, current: in
     need = ROUND_ROOM * exchange_s / period_s
     want = min(MAX_ROUND_MULTIPLE, 2 ** max(0, math.ceil(math.log2(need))))
     if exchange_s > current * period_s:
-        return max(current, want)
+        return min(max(current, want), 2 * current)
     return min(current, want)
 
 

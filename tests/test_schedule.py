@@ -23,13 +23,16 @@ from swarm.schedule import (
         (16.0, 1, 1),  # fits a 30 s round: every round
         (31.0, 1, 2),  # late: 46.5 s of room needs two rounds
         (40.0, 1, 2),  # the 2 Mbit/s sitting's thin replica: 60 s holds 40 s
-        (41.0, 1, 4),  # 61.5 s of room: the next power of two, four
+        (41.0, 1, 2),  # 61.5 s of room wants four; at most twice as many at a time
+        (41.0, 2, 2),  # two carry it: stays
+        (70.0, 2, 4),  # late at two: four
         (40.0, 2, 2),  # fits the two it spans: stays
         (25.0, 2, 2),  # fits one (25 s of 30) but not with room (37.5 s): stays at two
         (20.0, 2, 1),  # 30 s holds 1.5 x 20 s: back to every round
         (50.0, 4, 4),  # two would hold 60 s, short of 75 s of room: stays at four
         (39.0, 4, 2),  # two hold 58.5 s of room: down to two
-        (1000.0, 1, 8),  # at most eight
+        (1000.0, 1, 2),
+        (1000.0, 4, 8),  # at most eight
         (1000.0, 8, 8),
         (None, 2, 2),  # unknown: as it is
     ],
@@ -39,7 +42,8 @@ def test_a_replica_spans_as_many_rounds_as_its_exchange_needs(
 ) -> None:
     """The stage's rounds are 30 s. A replica takes every ``m``-th, ``m`` the least power
     of two whose rounds hold 1.5 times its exchange, once its exchange outlasts the rounds
-    it spans; it takes fewer again only where they hold that room."""
+    it spans, but at most twice as many at a time; it takes fewer again only where they
+    hold that room."""
     assert round_multiple(exchange_s, 30.0, current) == want
 
 

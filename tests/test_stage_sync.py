@@ -327,20 +327,21 @@ async def test_a_replica_says_when_its_uplink_cannot_carry_its_contribution_in_t
 
 
 @pytest.mark.parametrize(
-    "round_s, partners, exchange_s, multiple",
+    "round_s, partners, exchange_s, start, multiple",
     [
-        (20.0, [], 16.0, 1),
-        (10.0, [], 16.0, 4),
-        (10.0, [1.5, 1.0, 2.0], 9.5, 1),
-        (10.0, [1.0, 1.5, 40.0], 9.5, 1),
-        (10.0, [30.0, 1.0, 30.0], 16.0, 4),
-        (1.5, [], 16.0, 8),
+        (20.0, [], 16.0, 1, 1),
+        (10.0, [], 16.0, 1, 2),
+        (10.0, [1.5, 1.0, 2.0], 9.5, 1, 1),
+        (10.0, [1.0, 1.5, 40.0], 9.5, 1, 1),
+        (10.0, [30.0, 1.0, 30.0], 16.0, 1, 2),
+        (1.5, [], 16.0, 4, 8),
     ],
 )
 async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_rounds(
     round_s: float,
     partners: list[float],
     exchange_s: float,
+    start: int,
     multiple: int,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -348,18 +349,19 @@ async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_round
     partner waits (announced: 10 s more). An exchange is that upload, then the partner's:
     with no partner's time known, as long again, 16 s. That fits a 20 s round, but not a
     10 s one: the replica would reach its next round late, and its partners' proposals there
-    meet ``not_ready`` or ``stale``. So from the next boundary it takes every 4th round of
-    the stage (40 s hold 1.5 x 16 s; 20 s would not), publishes 40 s, and skips the
-    boundaries between. Recent partners that announced 1.5, 1 and 2 s (median 1.5) make
+    meet ``not_ready`` or ``stale``. So from the next boundary it takes every 2nd round of
+    the stage (20 s carry 16 s; 40 s would hold 1.5 x 16 s, but it goes up at most twice as
+    many at a time), publishes 20 s, and skips the boundaries between. Recent partners that announced 1.5, 1 and 2 s (median 1.5) make
     the exchange 9.5 s, which a 10 s round carries; one partner announcing 40 s among them
     moves the median nowhere. Partners slower than this replica (median 30 s) count as long
-    as its own: 16 s, as with none known. Behind 1.5 s rounds even eight (12 s) are too
-    short: it is counted, warned and told to take rounds of at least 10 s (1.5 x 16 s over
-    eight, rounded up)."""
+    as its own: 16 s, as with none known. Behind 1.5 s rounds, spanning four (6 s) already,
+    even eight (12 s) are too short: it is counted, warned and told to take rounds of at
+    least 10 s (1.5 x 16 s over eight, rounded up)."""
     clock = WallClock(999_995.0)
     fixed = {"sync.codec": "fp32"}
     sync, runner, tasks = lone_replica(clock, round_s, uplink_bytes_s=400_000.0, settings=fixed)
     sync.partner_uploads.extend(partners)
+    sync.round_multiple = start
     thin = exchange_s > multiple * round_s
     try:
         sync.poll()
@@ -376,14 +378,14 @@ async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_round
         assert sync.ctx.counters["gossip_uplink_too_thin"] == thin
         logged = [r.getMessage() for r in caplog.records]
         spans = [m for m in logged if "pairs in those" in m]
-        assert len(spans) == (multiple > 1)
-        if multiple == 4:
-            assert "takes every 4th round from the next (40 s)" in spans[0]
+        assert len(spans) == (multiple != start)
+        if round_s == 10.0 and multiple == 2:
+            assert "takes every 2nd round from the next (20 s)" in spans[0]
             # the boundaries between its own are not its rounds
             clock.wall_s = 1_000_010.1
             sync.poll()
             assert not tasks
-            await round_at(sync, runner, tasks, clock, 1_000_040.1)
+            await round_at(sync, runner, tasks, clock, 1_000_020.1)
         warned = [m for m in logged if "too thin for NoLoCo" in m]
         assert len(warned) == thin
         if thin:

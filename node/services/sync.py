@@ -457,11 +457,13 @@ class StageSync:
         ``request_timeout_s`` plus its time at ``sync.min_link_mbps``, or, announced with the
         proposal, the upload's own time, up to ``sync.max_upload_wait_s``. If it cannot, every
         exchange it sends ends solo for both, and a partner that accepted its proposal
-        refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``). Nor
-        can it pair where its exchange (its upload and its partner's) outlasts a clock round:
-        it reaches its next round late. Either way this node is counted
-        (``gossip_uplink_too_thin``) and told what would fit. Returns the
-        upload's seconds, announced with the proposal (0: the rate is not known)."""
+        refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``). Where
+        its exchange (its upload, then its partner's) outlasts a clock round, it would reach
+        its next round late: it takes every 2nd, 4th or 8th of the stage's rounds instead
+        (``_span_rounds``), and only where even eight are too short can it not pair. Either
+        way this node is counted (``gossip_uplink_too_thin``) and told what would fit.
+        Returns the upload's seconds, announced with the proposal (0: the rate is not
+        known)."""
         rate = self.uplink_bytes_s()
         self.contribution_send_s = send_s = None if not rate else nbytes / rate
         given_s = self.gossip.config.promise_s(nbytes, send_s or 0.0)
@@ -554,13 +556,15 @@ class StageSync:
 
     def uplink_too_thin(self) -> bool:
         """Whether this replica's last NoLoCo contribution could not reach a partner in time:
-        its upload takes longer than a partner waits, or its exchange takes longer than a
-        clock round."""
+        its upload takes longer than a partner waits, or its exchange takes longer than the
+        most clock rounds it may span (``MAX_ROUND_MULTIPLE``; short of those it spans more
+        from its next round)."""
         send_s, given_s = self.contribution_send_s, self.contribution_given_s
         exchange_s, period = self.contribution_exchange_s, self.contribution_round_s
         if send_s is None or given_s is None or exchange_s is None:
             return False
-        return send_s > given_s or (period is not None and exchange_s > period)
+        spans_most = self.round_multiple >= MAX_ROUND_MULTIPLE
+        return send_s > given_s or (period is not None and exchange_s > period and spans_most)
 
     async def _screened(self, partner_id: str, contribution: Contribution) -> Offer | None:
         """The partner's offer if it passes the screen; else None, and the partner is banned."""
