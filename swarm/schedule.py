@@ -135,7 +135,7 @@ def round_multiple(exchange_s: float | None, period_s: float | None, current: in
     if not exchange_s or not period_s or exchange_s <= 0 or period_s <= 0:
         return current
     need = ROUND_ROOM * exchange_s / period_s
-    want = min(MAX_ROUND_MULTIPLE, 2 ** max(0, math.ceil(math.log2(need))))
+    want = min(MAX_ROUND_MULTIPLE, 1 << max(0, math.ceil(math.log2(need))))
     if exchange_s > current * period_s:
         return min(max(current, want), 2 * current)
     return min(current, want)

@@ -351,12 +351,13 @@ async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_round
     10 s one: the replica would reach its next round late, and its partners' proposals there
     meet ``not_ready`` or ``stale``. So from the next boundary it takes every 2nd round of
     the stage (20 s carry 16 s; 40 s would hold 1.5 x 16 s, but it goes up at most twice as
-    many at a time), publishes 20 s, and skips the boundaries between. Recent partners that announced 1.5, 1 and 2 s (median 1.5) make
-    the exchange 9.5 s, which a 10 s round carries; one partner announcing 40 s among them
-    moves the median nowhere. Partners slower than this replica (median 30 s) count as long
-    as its own: 16 s, as with none known. Behind 1.5 s rounds, spanning four (6 s) already,
-    even eight (12 s) are too short: it is counted, warned and told to take rounds of at
-    least 10 s (1.5 x 16 s over eight, rounded up)."""
+    many at a time), publishes 20 s, and skips the boundaries between. Recent partners
+    that announced 1.5, 1 and 2 s (median 1.5) make the exchange 9.5 s, which a 10 s
+    round carries; one partner announcing 40 s among them moves the median nowhere.
+    Partners slower than this replica (median 30 s) count as long as its own: 16 s, as with
+    none known. Behind 1.5 s rounds, spanning four (6 s) already, even eight (12 s) are too
+    short: it is counted, warned and told to take rounds of at least 10 s (1.5 x 16 s over
+    eight, rounded up)."""
     clock = WallClock(999_995.0)
     fixed = {"sync.codec": "fp32"}
     sync, runner, tasks = lone_replica(clock, round_s, uplink_bytes_s=400_000.0, settings=fixed)
