@@ -503,8 +503,10 @@ class StageSync:
         as an exchange of ``exchange_s`` needs (``swarm.schedule.round_multiple``); a change
         is logged."""
         stage_s = self._stage_period_s()
+        if stage_s is None or exchange_s is None:
+            return  # nothing to judge by: the span stays
         multiple = round_multiple(exchange_s, stage_s, self.round_multiple)
-        if multiple == self.round_multiple or stage_s is None or exchange_s is None:
+        if multiple == self.round_multiple:
             return
         more, self.round_multiple = multiple > self.round_multiple, multiple
         (log.warning if more else log.info)(
