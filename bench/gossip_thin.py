@@ -1,9 +1,9 @@
 """NoLoCo between a public replica and one behind a thin uplink: fixed fp32 against ``auto``.
 
 A public head and two replicas of the one block stage (``node join``, real processes): one
-public, one NATed behind a router namespace whose uplink is a token bucket of ``--mbit``
-Mbit/s with a 1 s queue (``tests.netns.Lab.cap_router_uplink``), so it serves through a
-relay. The stage's NoLoCo contribution (slow weights and pseudo-gradient) is 9.6 MB in
+public (with ``--public N``, N of them: ``public``, ``public2``, ...), one NATed behind a
+router namespace whose uplink is a token bucket of ``--mbit`` Mbit/s with a 1 s queue
+(``tests.netns.Lab.cap_router_uplink``), so it serves through a relay. The stage's NoLoCo contribution (slow weights and pseudo-gradient) is 9.6 MB in
 fp32; a partner waits ``sync.request_timeout_s`` (10 s) plus its size at
 ``sync.min_link_mbps`` (10 Mbit/s) for it, or, where the proposal announced a slower upload,
 that upload plus 10 s, up to ``sync.max_upload_wait_s``. The NATed replica's hops share its
@@ -19,7 +19,7 @@ completed microbatches. With ``--against OLD`` every run is made on that commit 
 its commit. Writes ``bench/results/<--name>.json`` (``gossip_thin``).
 
 Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]
-[--max-upload-wait-s 60] [--against OLD] [--name gossip_thin]`` (as root: network
+[--max-upload-wait-s 60] [--public 1] [--against OLD] [--name gossip_thin]`` (as root: network
 namespaces).
 """
 
@@ -41,11 +41,22 @@ def say(text: str) -> None:
     print(f"[gossip_thin {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
+def public_names(n: int) -> list[str]:
+    """The names of ``n`` public replicas in a row: ``public``, ``public2``, ..."""
+    return ["public" if i == 0 else f"public{i + 1}" for i in range(n)]
+
+
 def live(
-    codec: str, mbit: float, measure_s: float, round_s: float, logs: Path, wait_s: float = 60.0
+    codec: str,
+    mbit: float,
+    measure_s: float,
+    round_s: float,
+    logs: Path,
+    wait_s: float = 60.0,
+    n_public: int = 1,
 ) -> dict[str, Any]:
-    """One swarm with ``sync.codec = codec`` and ``sync.max_upload_wait_s = wait_s`` on both
-    replicas, the NATed one behind ``mbit``."""
+    """One swarm with ``sync.codec = codec`` and ``sync.max_upload_wait_s = wait_s`` on every
+    replica: ``n_public`` public ones and one NATed behind ``mbit``."""
     from tests.helpers import wait_for
     from tests.netns import Lab
     from tests.test_nat import PORT, completed, join, ready_status, status_of
@@ -57,26 +68,28 @@ def live(
         f"sync.codec={codec}",
         f"sync.max_upload_wait_s={wait_s:g}",
     )
-    with Lab.create(2) as lab:
-        head_host, public = lab.hosts
+    names = public_names(n_public)
+    with Lab.create(1 + n_public) as lab:
+        head_host, *publics = lab.hosts
+        hosts = dict(zip(names, publics, strict=True))
         natted = lab.add_natted()
         lab.cap_router_uplink(lab.routers[-1], mbit, 1000)
         swarm = f"gossip-{secrets.token_hex(3)}"
         head = f"{head_host.address}:{PORT}"
         outs = [
             join(head_host, "0", None, logs / "head.log", swarm, sync),
-            join(public, "1", head, logs / "public.log", swarm, sync),
+            *(join(h, "1", head, logs / f"{n}.log", swarm, sync) for n, h in hosts.items()),
             join(
                 natted, "1", head, logs / "natted.log", swarm, (*sync, "net.tcp_congestion=cubic")
             ),
         ]
         try:
-            for host in (public, natted):
-                wait_for(partial(ready_status, host), 180, "both replicas to serve")
+            for host in (*hosts.values(), natted):
+                wait_for(partial(ready_status, host), 180, "every replica to serve")
             done0, t0 = completed(head_host), time.monotonic()
             time.sleep(measure_s)
             elapsed = time.monotonic() - t0
-            replicas = {name: status_of(h) for name, h in (("public", public), ("natted", natted))}
+            replicas = {name: status_of(h) for name, h in {**hosts, "natted": natted}.items()}
             done = completed(head_host) - done0
         finally:
             lab.close()
@@ -88,6 +101,7 @@ def live(
         "mbit": mbit,
         "measure_s": round(elapsed, 1),
         "head_microbatches": done,
+        "replicas": list(replicas),
     }
     for name, st in replicas.items():
         s = st["sync"]
@@ -128,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=[60.0],
         help="sync.max_upload_wait_s values, each run with every codec (0: no announced waits)",
     )
+    p.add_argument("--public", type=int, default=1, help="public replicas beside the NATed one")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="gossip_thin", help="the results file's name")
     p.add_argument("--logs", type=Path, default=Path("/tmp/gossip_thin"))
@@ -145,9 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             with inside(tree):
                 at = args.logs / f"{codec}-{wait_s:g}-{commit}"
-                row = live(codec, args.mbit, args.measure_s, args.round_s, at, wait_s)
+                row = live(codec, args.mbit, args.measure_s, args.round_s, at, wait_s, args.public)
             row["commit"] = commit
-            for name in ("public", "natted"):
+            for name in row["replicas"]:
                 r = row[name]
                 say(
                     f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired (each "
@@ -165,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "mbit": args.mbit,
             "measure_s": args.measure_s,
             "round_s": args.round_s,
+            "public_replicas": args.public,
             "uplink": "kernel token bucket, 1 s queue, on the NATed replica's router",
         },
         "runs": rows,
