@@ -11,7 +11,10 @@ uplink with its gossip, so its uploads get well under the cap.
 
 For each ``sync.codec`` of ``--codecs`` in turn (the same on both replicas), and each
 ``sync.max_upload_wait_s`` of ``--max-upload-wait-s`` (0: no announced waits), ``--measure-s``
-seconds from the moment both serve: each replica's rounds (paired, solo), what its status
+seconds from the moment both serve: each replica's rounds (paired, solo), its RMS distance
+from the replicas' mean slow weights (sampled in the middle of every round of the stage's
+grid, where no boundary's outer step is starting; fetched from inside the NATed host, which
+reaches every replica), what its status
 says of its uplink (the contribution's seconds to send against a partner's wait), the codec
 its last round used, its proposals a round and the bytes it gossiped, and the head's
 completed microbatches. With ``--against OLD`` every run is made on that commit first
@@ -28,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -35,6 +40,19 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+SPREAD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from bench.convergence_sim import distances_from_mean
+from node.stage.export import fetch_stage_state
+print(json.dumps(distances_from_mean(
+    [fetch_stage_state(a, 1).tensors["outer.phi"] for a in sys.argv[2:]]
+)))
+"""
+"""Run inside a host with this checkout's root and the replicas' addresses: each one's RMS
+distance from their mean slow weights, as JSON (this checkout's code whichever commit the
+nodes run)."""
 
 
 def say(text: str) -> None:
@@ -87,7 +105,8 @@ def live(
             for host in (*hosts.values(), natted):
                 wait_for(partial(ready_status, host), 180, "every replica to serve")
             done0, t0 = completed(head_host), time.monotonic()
-            time.sleep(measure_s)
+            addresses = [f"{h.address}:{PORT}" for h in hosts.values()] + [f"127.0.0.1:{PORT}"]
+            samples = sample_spreads(natted, addresses, round_s, t0 + measure_s)
             elapsed = time.monotonic() - t0
             replicas = {name: status_of(h) for name, h in {**hosts, "natted": natted}.items()}
             done = completed(head_host) - done0
@@ -102,8 +121,9 @@ def live(
         "measure_s": round(elapsed, 1),
         "head_microbatches": done,
         "replicas": list(replicas),
+        "spread_samples": len(samples),
     }
-    for name, st in replicas.items():
+    for i, (name, st) in enumerate(replicas.items()):
         s = st["sync"]
         rounds = s["rounds"]
         paired, solo = int(rounds.get("paired", 0)), int(rounds.get("solo", 0))
@@ -120,13 +140,38 @@ def live(
             "round_multiple": s.get("round_multiple", 1),  # older: every round
             "link_mbit": st["wire"]["link_mbps"],
             "hop_load_mbit": st["wire"].get("load_mbps"),  # older commits: None
-            "spread_rms_mean": s["spread_rms_mean"],
+            "spread_rms_mean": s["spread_rms_mean"],  # its partners', at its pairings
+            "spread_from_mean": statistics.fmean(x[i] for x in samples) if samples else None,
             "proposals": s["proposals"],
             "proposals_per_round": round(s["proposals"] / max(1, paired + solo), 1),
             "promises_lapsed": s["promises_lapsed"],
             "sync_mb_sent": round(s["bytes_sent"] / 1e6, 1),
         }
     return row
+
+
+def sample_spreads(
+    natted: Any, addresses: list[str], round_s: float, until: float
+) -> list[list[float]]:
+    """Until ``until`` (monotonic), in the middle of every round of the stage's grid: each
+    replica's RMS distance from the replicas' mean slow weights (``SPREAD``, run inside the
+    ``natted`` host), in the order of ``addresses``. A sample that fails is said and
+    skipped."""
+    samples: list[list[float]] = []
+    while (left := until - time.monotonic()) > 0:
+        wait = (round_s / 2 - time.time() % round_s) % round_s
+        if wait < 1.0:  # a sample has just been taken in this middle
+            wait += round_s
+        if wait >= left:
+            time.sleep(left)
+            break
+        time.sleep(wait)
+        try:
+            out = natted.run([sys.executable, "-c", SPREAD, str(ROOT), *addresses], timeout=60)
+            samples.append(json.loads(out))
+        except (subprocess.SubprocessError, ValueError) as e:
+            say(f"  a spread sample failed: {e}")
+    return samples
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -169,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{r['round_multiple']} of the stage's), last in {r['codec']}, send "
                     f"{r['contribution_send_s']} s against {r['contribution_given_s']} s given, "
                     f"exchange {r['contribution_exchange_s']} s, link {r['link_mbit']} Mbit/s, "
-                    f"{r['proposals_per_round']} proposals a round, {r['sync_mb_sent']} MB sent"
+                    f"{r['proposals_per_round']} proposals a round, {r['sync_mb_sent']} MB sent, "
+                    f"{r['spread_from_mean']} from the replicas' mean"
                 )
             say(f"  head: {row['head_microbatches']} microbatches in {row['measure_s']} s")
             rows.append(row)
