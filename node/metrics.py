@@ -41,6 +41,7 @@ from prometheus_client.utils import floatToGoString
 
 from node.net.addresses import REACHABILITY_STATES
 from node.net.transport import TrafficStats
+from swarm.schedule import MAX_ROUND_MULTIPLE
 
 log = logging.getLogger(__name__)
 
@@ -556,7 +557,7 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
             "murmur_sync_uplink_too_thin",
             "1 when this replica's last NoLoCo contribution takes longer to upload, at the rate "
             "its hops leave it, than a partner waits for it, or its exchange longer than "
-            "eight of the stage's rounds: its rounds end solo.",
+            f"{MAX_ROUND_MULTIPLE} of the stage's rounds: its rounds end solo.",
             1.0 if sync["uplink_too_thin"] else 0.0,
         )
     if "round_multiple" in sync:

@@ -459,9 +459,10 @@ class StageSync:
         exchange it sends ends solo for both, and a partner that accepted its proposal
         refuses its proposals for ``lapse_ban_s`` after (``lapsed``, ``swarm.gossip``). Where
         its exchange (its upload, then its partner's) outlasts a clock round, it would reach
-        its next round late: it takes every 2nd, 4th or 8th of the stage's rounds instead
-        (``_span_rounds``), and only where even eight are too short can it not pair. Either
-        way this node is counted (``gossip_uplink_too_thin``) and told what would fit.
+        its next round late: it takes every 2nd, 4th ... of the stage's rounds instead
+        (``_span_rounds``), and only where even ``MAX_ROUND_MULTIPLE`` are too short can it
+        not pair. Either way this node is counted (``gossip_uplink_too_thin``) and told
+        what would fit.
         Returns the upload's seconds, announced with the proposal (0: the rate is not
         known)."""
         rate = self.uplink_bytes_s()
