@@ -142,6 +142,7 @@ def live(
             "hop_load_mbit": st["wire"].get("load_mbps"),  # older commits: None
             "spread_rms_mean": s["spread_rms_mean"],  # its partners', at its pairings
             "spread_from_mean": statistics.fmean(x[i] for x in samples) if samples else None,
+            "spread_series": [x[i] for x in samples],
             "proposals": s["proposals"],
             "proposals_per_round": round(s["proposals"] / max(1, paired + solo), 1),
             "promises_lapsed": s["promises_lapsed"],
