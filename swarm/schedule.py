@@ -103,8 +103,15 @@ def round_period(
 
 
 ROUND_ROOM = 1.5
-"""A round a replica takes should last this many times its exchange: room for a partner's
-proposal to find it, the exchange, and the outer step before the next boundary."""
+"""A replica whose exchange outlasts the rounds it spans takes enough rounds to hold this many
+times its exchange: room for a partner's proposal to find it, the exchange, and the outer
+step before the next boundary."""
+ROUND_ROOM_DOWN = 1.2
+"""It takes fewer rounds again where they hold this many times its exchange. With 1.5 here
+too, a thin replica whose measured exchange (21 to 24 s) fit a 30 s round stayed on every
+2nd: live, in two sittings with two fat partners, it ended 1.94 and 1.97 times as far
+from the replicas' mean as they did, against 1.64 and 1.44 where it took every round, and
+the replicas' mean distance rose 13 and 23 % (``bench/README.md``)."""
 MAX_ROUND_MULTIPLE = 8
 """The most of the stage's rounds one round of a replica with a thin uplink spans: beyond
 it the replica's contribution is too stale to be worth the wait, and it says so instead."""
@@ -124,8 +131,10 @@ def round_multiple(exchange_s: float | None, period_s: float | None, current: in
     twice as many at a time: a first estimate (no partner has announced its upload yet, so
     the partner's half is taken as long as its own) and an early rate read low parked a
     replica on every 8th round for four minutes, live, where 2 would have carried its
-    exchange. Back to fewer only where they hold that room too, so an exchange near the
-    edge does not flip the span each round. Unknown figures keep ``current``.
+    exchange. Back to fewer only where they hold ``ROUND_ROOM_DOWN`` times it, so an
+    exchange near the edge does not flip the span each round: from ``m`` it goes up past
+    ``m`` rounds and down below ``m / 2 / ROUND_ROOM_DOWN`` of them. Unknown figures keep
+    ``current``.
 
     Still NoLoCo's rule: in the rounds it takes the replica pairs and steps as published,
     its pseudo-gradient covering ``m`` rounds of inner steps (scaled to the stage's usual
@@ -134,11 +143,15 @@ def round_multiple(exchange_s: float | None, period_s: float | None, current: in
     others, ``m`` times rarer, which a solo round does not give at all."""
     if not exchange_s or not period_s or exchange_s <= 0 or period_s <= 0:
         return current
-    need = ROUND_ROOM * exchange_s / period_s
-    want = min(MAX_ROUND_MULTIPLE, 1 << max(0, math.ceil(math.log2(need))))
+
+    def holding(room: float) -> int:
+        """The least power of two whose span holds ``room`` times the exchange."""
+        need = room * exchange_s / period_s
+        return min(MAX_ROUND_MULTIPLE, 1 << max(0, math.ceil(math.log2(need))))
+
     if exchange_s > current * period_s:
-        return min(max(current, want), 2 * current)
-    return min(current, want)
+        return min(max(current, holding(ROUND_ROOM)), 2 * current)
+    return min(current, holding(ROUND_ROOM_DOWN))
 
 
 def _derivable(period_s: float) -> bool:

@@ -27,10 +27,12 @@ from swarm.schedule import (
         (41.0, 2, 2),  # two carry it: stays
         (70.0, 2, 4),  # late at two: four
         (40.0, 2, 2),  # fits the two it spans: stays
-        (25.0, 2, 2),  # fits one (25 s of 30) but not with room (37.5 s): stays at two
-        (20.0, 2, 1),  # 30 s holds 1.5 x 20 s: back to every round
-        (50.0, 4, 4),  # two would hold 60 s, short of 75 s of room: stays at four
-        (39.0, 4, 2),  # two hold 58.5 s of room: down to two
+        (26.0, 2, 2),  # fits one (26 s of 30) but not with room to go down (31.2 s): stays
+        (25.0, 2, 1),  # 30 s holds 1.2 x 25 s: back to every round
+        (20.0, 2, 1),
+        (51.0, 4, 4),  # two would hold 60 s, short of 61.2 s of room: stays at four
+        (50.0, 4, 2),  # two hold 1.2 x 50 s: down to two
+        (39.0, 4, 2),  # and not further: one is short of 46.8 s
         (1000.0, 1, 2),
         (1000.0, 4, 8),  # at most eight
         (1000.0, 8, 8),
@@ -43,7 +45,7 @@ def test_a_replica_spans_as_many_rounds_as_its_exchange_needs(
     """The stage's rounds are 30 s. A replica takes every ``m``-th, ``m`` the least power
     of two whose rounds hold 1.5 times its exchange, once its exchange outlasts the rounds
     it spans, but at most twice as many at a time; it takes fewer again only where they
-    hold that room."""
+    hold 1.2 times it."""
     assert round_multiple(exchange_s, 30.0, current) == want
 
 
