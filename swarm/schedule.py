@@ -111,7 +111,9 @@ ROUND_ROOM_DOWN = 1.2
 too, a thin replica whose measured exchange (21 to 24 s) fit a 30 s round stayed on every
 2nd: live, in two sittings with two fat partners, it ended 1.94 and 1.97 times as far
 from the replicas' mean as they did, against 1.64 and 1.44 where it took every round, and
-the replicas' mean distance rose 13 and 23 % (``bench/README.md``)."""
+the replicas' mean distance rose 13 and 23 % (``bench/README.md``). With 1.2, in a third
+sitting, it went back to every round once a partner's time came in, and ended 1.48 times
+as far as they did, against 1.88 on the commit before."""
 MAX_ROUND_MULTIPLE = 8
 """The most of the stage's rounds one round of a replica with a thin uplink spans: beyond
 it the replica's contribution is too stale to be worth the wait, and it says so instead."""
