@@ -20,7 +20,7 @@ def test_auto_keeps_fp32_on_the_fat_uplink_and_both_replicas_take_their_rounds(
     """Two 20 s rounds after both replicas serve. The public replica's uploads are fast (or
     not measured yet): it gossips in fp32, the published rule; the NATed one in whatever
     its uplink carries in time. Both take every round, paired or solo, and the swarm trains;
-the replicas' distances from their mean slow weights are sampled.
+    the replicas' distances from their mean slow weights are sampled.
     (The benchmark's 200 s runs: fixed fp32 paired the NATed replica in 3 of 6 rounds and
     the public one in 1 of 6, ``auto`` in 5 and 4; ``bench/README.md``.)"""
     ok, why = netns_available()
