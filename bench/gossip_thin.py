@@ -5,9 +5,10 @@ public (with ``--public N``, N of them: ``public``, ``public2``, ...), one NATed
 router namespace whose uplink is a token bucket of ``--mbit`` Mbit/s with a 1 s queue
 (``tests.netns.Lab.cap_router_uplink``), so it serves through a relay. The stage's NoLoCo
 contribution (slow weights and pseudo-gradient) is 9.6 MB in fp32; a partner waits
-``sync.request_timeout_s`` (10 s) plus its size at ``sync.min_link_mbps`` (10 Mbit/s) for it, or, where the proposal announced a slower upload,
-that upload plus 10 s, up to ``sync.max_upload_wait_s``. The NATed replica's hops share its
-uplink with its gossip, so its uploads get well under the cap.
+``sync.request_timeout_s`` (10 s) plus its size at ``sync.min_link_mbps`` (10 Mbit/s) for
+it, or, where the proposal announced a slower upload, that upload plus 10 s, up to
+``sync.max_upload_wait_s``. The NATed replica's hops share its uplink with its gossip, so
+its uploads get well under the cap.
 
 For each ``sync.codec`` of ``--codecs`` in turn (the same on every replica), and each
 ``sync.max_upload_wait_s`` of ``--max-upload-wait-s`` (0: no announced waits), ``--measure-s``
