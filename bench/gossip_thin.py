@@ -11,16 +11,16 @@ it, or, where the proposal announced a slower upload, that upload plus 10 s, up 
 its uploads get well under the cap.
 
 For each ``sync.codec`` of ``--codecs`` in turn (the same on every replica), and each
-``sync.max_upload_wait_s`` of ``--max-upload-wait-s`` (0: no announced waits), ``--measure-s``
-seconds from the moment both serve: each replica's rounds (paired, solo), its RMS distance
-from the replicas' mean slow weights (sampled in the middle of every round of the stage's
-grid, where no boundary's outer step is starting; fetched from inside the NATed host, which
-reaches every replica), what its status
-says of its uplink (the contribution's seconds to send against a partner's wait), the codec
-its last round used, its proposals a round and the bytes it gossiped, and the head's
-completed microbatches. With ``--against OLD`` every run is made on that commit first
-(checked out as a worktree, ``bench.ab.this_and``), then on this checkout; each run names
-its commit. Writes ``bench/results/<--name>.json`` (``gossip_thin``).
+``sync.max_upload_wait_s`` of ``--max-upload-wait-s`` (0: no announced waits),
+``--measure-s`` seconds from the moment every replica serves: each replica's rounds (paired,
+solo), its RMS distance from the replicas' mean slow weights (sampled in the middle of every
+round of the stage's grid, where no boundary's outer step is starting; fetched from inside
+the NATed host, which reaches every replica), what its status says of its uplink (the
+contribution's seconds to send against a partner's wait), the codec its last round used, its
+proposals a round and the bytes it gossiped, and the head's completed microbatches. With
+``--against OLD`` every run is made on that commit first (checked out as a worktree,
+``bench.ab.this_and``), then on this checkout; each run names its commit. Writes
+``bench/results/<--name>.json`` (``gossip_thin``).
 
 Usage: ``python -m bench.gossip_thin [--mbit 5] [--measure-s 240] [--codecs fp32 auto]
 [--max-upload-wait-s 60] [--public 1] [--against OLD] [--name gossip_thin]`` (as root: network
@@ -38,7 +38,10 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.netns import Host
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,10 +49,8 @@ SPREAD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from bench.convergence_sim import distances_from_mean
-from node.stage.export import fetch_stage_state
-print(json.dumps(distances_from_mean(
-    [fetch_stage_state(a, 1).tensors["outer.phi"] for a in sys.argv[2:]]
-)))
+from bench.sync_unequal import slow_weights
+print(json.dumps(distances_from_mean([slow_weights(a, 1) for a in sys.argv[2:]])))
 """
 """Run inside a host with this checkout's root and the replicas' addresses: each one's RMS
 distance from their mean slow weights, as JSON (this checkout's code whichever commit the
@@ -153,15 +154,17 @@ def live(
 
 
 def sample_spreads(
-    natted: Any, addresses: list[str], round_s: float, until: float
+    natted: Host, addresses: list[str], round_s: float, until: float
 ) -> list[list[float]]:
     """Until ``until`` (monotonic), in the middle of every round of the stage's grid: each
     replica's RMS distance from the replicas' mean slow weights (``SPREAD``, run inside the
     ``natted`` host), in the order of ``addresses``. A sample that fails is said and
     skipped."""
+    from bench.sync_unequal import seconds_to_mid_round
+
     samples: list[list[float]] = []
     while (left := until - time.monotonic()) > 0:
-        wait = (round_s / 2 - time.time() % round_s) % round_s
+        wait = seconds_to_mid_round(round_s, time.time())
         if wait < 1.0:  # a sample has just been taken in this middle
             wait += round_s
         if wait >= left:

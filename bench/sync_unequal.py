@@ -136,6 +136,12 @@ def slow_weights(address: str, stage: int) -> torch.Tensor:
     return fetch_stage_state(address, stage).tensors["outer.phi"].clone()
 
 
+def seconds_to_mid_round(period_s: float, now_s: float) -> float:
+    """Seconds from ``now_s`` (wall clock) to the next middle of a round of the grid of
+    ``period_s``."""
+    return (period_s / 2 - now_s % period_s) % period_s
+
+
 def to_mid_round(address: str, every_s: float = 0.0) -> None:
     """Sleep until the middle of a round of the grid ``address``'s stage runs on, where no
     replica's slow weights are changing: a sample taken across a boundary mixes replicas
@@ -150,7 +156,7 @@ def to_mid_round(address: str, every_s: float = 0.0) -> None:
     if not every_s and period / 4 <= time.time() % period <= 3 * period / 4:
         return  # in the middle half already
     wait = max(0.0, every_s - period)
-    time.sleep(wait + (period / 2 - (time.time() + wait) % period) % period)
+    time.sleep(wait + seconds_to_mid_round(period, time.time() + wait))
 
 
 def snapshot(addresses: dict[str, str]) -> dict[str, dict[str, Any]]:
