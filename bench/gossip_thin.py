@@ -13,7 +13,7 @@ its uploads get well under the cap.
 For each ``sync.codec`` of ``--codecs`` in turn (the same on every replica), and each
 ``sync.max_upload_wait_s`` of ``--max-upload-wait-s`` (0: no announced waits),
 ``--measure-s`` seconds from the moment every replica serves: each replica's rounds (paired,
-solo), its RMS distance from the replicas' mean slow weights (sampled in the middle of every
+solo, followed), its RMS distance from the replicas' mean slow weights (sampled in the middle of every
 round of the stage's grid, where no boundary's outer step is starting; fetched from inside
 the NATed host, which reaches every replica), what its status says of its uplink (the
 contribution's seconds to send against a partner's wait), the codec its last round used, its
@@ -129,9 +129,11 @@ def live(
         s = st["sync"]
         rounds = s["rounds"]
         paired, solo = int(rounds.get("paired", 0)), int(rounds.get("solo", 0))
+        followed = int(rounds.get("followed", 0))  # rounds it took a partner's, sent none
         row[name] = {
             "paired": paired,
             "solo": solo,
+            "followed": followed,
             "paired_fraction": paired / max(1, paired + solo),
             "codec": s.get("codec"),
             "contribution_send_s": s["contribution_send_s"],
@@ -147,6 +149,7 @@ def live(
             "spread_series": [x[i] for x in samples],
             "proposals": s["proposals"],
             "proposals_per_round": round(s["proposals"] / max(1, paired + solo), 1),
+            "followers_answered": s.get("followers_answered", 0),  # older: none
             "promises_lapsed": s["promises_lapsed"],
             "sync_mb_sent": round(s["bytes_sent"] / 1e6, 1),
         }
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in row["replicas"]:
                 r = row[name]
                 say(
-                    f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired (each "
+                    f"  {name}: {r['paired']}/{r['paired'] + r['solo']} rounds paired, "
+                    f"{r['followed']} followed, {r['followers_answered']} followers answered (each "
                     f"{r['round_multiple']} of the stage's), last in {r['codec']}, send "
                     f"{r['contribution_send_s']} s against {r['contribution_given_s']} s given, "
                     f"exchange {r['contribution_exchange_s']} s, link {r['link_mbit']} Mbit/s, "

@@ -331,6 +331,12 @@ class SyncConfig:
     for one a partner said is already on its way (``incoming``). A partner whose
     contribution then never comes holds it up that long once, and is not waited for again
     for ten minutes. At or below the allowance: no longer wait than the allowance."""
+    follow: bool = True
+    """A replica whose NoLoCo exchange outlasts the stage's round takes every 2nd, 4th ...
+    round in full; with this, in the rounds between it follows a partner: it downloads
+    that partner's contribution, sends none of its own, and steps with it (a one-sided
+    pairing; ``swarm.gossip``, ``docs/algorithms.md``). Without it, it takes no outer step
+    in those rounds."""
     ring_inbox_bytes: int = 1 << 30
     """Bytes of ring chunks that may wait here for rounds (started or not) before further
     chunks are refused with ring_overload: a bound on what peers can make this node hold."""

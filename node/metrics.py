@@ -527,6 +527,12 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         sync.get("promises_lapsed", 0),
     )
     yield _counter(
+        "murmur_sync_followers_answered",
+        "Replicas that followed this one in a NoLoCo round: each was sent this replica's "
+        "contribution to the round and sent none back (it spans rounds; sync.follow).",
+        sync.get("followers_answered", 0),
+    )
+    yield _counter(
         "murmur_sync_places_clamped",
         "Outer steps (a NoLoCo pair, or a DiLoCo ring sharing places) whose mean place in "
         "the learning-rate schedule lay more than half PLACE_ROUNDS rounds' steps from ours: "
@@ -564,8 +570,8 @@ def _sync_families(sync: dict[str, Any]) -> Iterator[Metric]:
         yield _gauge(
             "murmur_sync_round_multiple",
             "How many of the stage's clock rounds one of this replica's NoLoCo rounds spans: "
-            "more than 1 where its exchange outlasts the stage's round (it pairs in every "
-            "such round it takes).",
+            "more than 1 where its exchange outlasts the stage's round (it exchanges in every "
+            "such round it takes, and follows a partner in those between: sync.follow).",
             float(sync["round_multiple"]),
         )
     if sync.get("spread_rms") is not None:

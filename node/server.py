@@ -82,6 +82,7 @@ from protocol.messages import (
     Error,
     FetchState,
     Forward,
+    GossipFollow,
     GossipRequest,
     HeadBackup,
     Hello,
@@ -289,6 +290,8 @@ class NodeServer:
             return self._on_dropped(msg)
         if isinstance(msg, GossipRequest):
             return await self._current_sync().on_gossip(msg)
+        if isinstance(msg, GossipFollow):
+            return await self._current_sync().on_follow(msg)
         if isinstance(msg, RingChunk):
             self._current_sync().on_ring_chunk(msg)
             return Ack()

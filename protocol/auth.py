@@ -72,6 +72,7 @@ from protocol.messages import (
     Dropped,
     Error,
     Forward,
+    GossipFollow,
     GossipRequest,
     HeadBackup,
     Hello,
@@ -209,7 +210,15 @@ def claimed_sender(msg: Message) -> str | None:
         return msg.peer_id
     if isinstance(
         msg,
-        GossipRequest | HeadBackup | Rollback | DialBack | MoveRequest | Ping | Probe | Dropped,
+        GossipRequest
+        | GossipFollow
+        | HeadBackup
+        | Rollback
+        | DialBack
+        | MoveRequest
+        | Ping
+        | Probe
+        | Dropped,
     ):
         return msg.sender
     if isinstance(msg, Pong):

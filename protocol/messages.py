@@ -416,6 +416,20 @@ class GossipRequest(Message):
 
 
 @dataclass(frozen=True)
+class GossipFollow(Message):
+    """NoLoCo: "let me follow you in outer round ``round``": the sender asks for the
+    replier's contribution to that round and sends none of its own. A replica whose uplink
+    cannot carry its contribution within a round sends it in the rounds it does not exchange
+    in (``swarm.gossip``); answered by a ``GossipReply`` that carries the contribution, and
+    the replier does not wait for, or pair with, the sender."""
+
+    TYPE: ClassVar[str] = "gossip_follow"
+    stage: int
+    round: int
+    sender: str
+
+
+@dataclass(frozen=True)
 class GossipReply(Message):
     """NoLoCo: the request is accepted; carries the replier's contribution (nothing, when
     it accepts a proposal)."""
@@ -566,6 +580,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = {
         FetchState,
         StageState,
         GossipRequest,
+        GossipFollow,
         GossipReply,
         RingChunk,
         HeadBackup,

@@ -90,6 +90,19 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    solo outer step (``G = {i}``): the odd replica out and the replica whose partner died
    both end this way. Each round ends as exactly one of paired or solo.
 
+7. A replica may also *follow* a partner in a round (``follow``): it sends a
+   ``GossipFollow`` that carries nothing, and the partner answers with its contribution to
+   that round, which it keeps until its next round begins, whether it is still seeking,
+   paired already, or past its outer step. The partner neither waits for nor pairs with the
+   follower; the follower steps with what it received, a one-sided pairing on purpose. A
+   replica whose exchange outlasts the stage's round takes every 2nd, 4th ... round in full
+   and follows in the rounds between (``node.services.sync``): a download crosses its
+   downlink, not its thin uplink, and its fast partners pair among themselves meanwhile. A
+   replica answers each follower at most once a round and at most ``max_followers`` of
+   them (``busy`` beyond): a few bytes cannot buy more than one contribution's upload per
+   replica and round. A follow for a round not reached yet is held as a proposal is; one
+   for a round whose contribution is gone (a later round began) is ``stale``.
+
 An accepted contribution whose reply is lost leaves the acceptor paired and the asker solo;
 both are valid NoLoCo steps. The service moves opaque contributions (tensors and their
 codec metadata); encoding and the maths happen in the caller's compute thread.
@@ -108,7 +121,7 @@ from typing import Any
 
 import torch
 
-from protocol.messages import GossipReply, GossipRequest, PeerRecord, expect
+from protocol.messages import GossipFollow, GossipReply, GossipRequest, PeerRecord, expect
 from protocol.quant import tensor_bytes
 from swarm.seams import Clock, Refused, Transport, TransportError
 
@@ -161,6 +174,10 @@ class GossipConfig:
     sends must not be able to hold every round up for that long: one lapse, and it is
     refused for this long (an honest proposer lapses only when it died, or its uplink is
     slower than ``min_rate_bytes_s``)."""
+
+    max_followers: int = 4
+    """Most replicas this one answers a ``GossipFollow`` in one round (``busy`` beyond):
+    each answer uploads a contribution."""
 
     max_upload_wait_s: float = 60.0
     """The longest a promised contribution is waited for when its sender announced an
@@ -254,6 +271,14 @@ class GossipService:
         self._partner: asyncio.Future[tuple[str, Contribution]] | None = None
         self._reached = asyncio.Event()
         self._num_held = 0
+        self._last_offered_bytes = 0
+        """Bytes of the last contribution this replica offered: what a followed one weighs."""
+        self._followers: set[str] = set()
+        """The replicas this one answered a ``GossipFollow`` in its current round."""
+        self.num_followers = 0
+        """``GossipFollow`` requests answered with a contribution, over all rounds."""
+        self.bytes_to_followers = 0
+        """Bytes of the contributions those answers carried."""
 
     @property
     def seeking(self) -> bool:
@@ -263,14 +288,13 @@ class GossipService:
         """Find a partner for ``round_`` and swap contributions, or end solo."""
         assert round_ > self.completed, "rounds only move forward"
         loop = asyncio.get_running_loop()
-        self._round, self._mine = round_, mine
+        self._begin(round_, mine)
         self._promised, self._incoming, self._sent_as_acceptor = None, None, False
         now = self.clock.now()
         self._lapsed = {p: until for p, until in self._lapsed.items() if until > now}
         self._false_incoming = {p: t for p, t in self._false_incoming.items() if t > now}
         self._partner = partner = loop.create_future()
-        self._reached.set()  # wake requests held for this round
-        self._reached = asyncio.Event()
+        self._wake_held()
         outcome = RoundOutcome(round_, None, None)
         deadline = self.clock.now() + self.config.round_deadline_s
         excluded: set[str] = set()  # stale, unreachable or timed out: not asked again
@@ -309,6 +333,64 @@ class GossipService:
             self._target = self._promised = self._incoming = None
         outcome.num_sent += self._sent_as_acceptor
         return outcome
+
+    async def follow(self, round_: int) -> RoundOutcome:
+        """Ask live replicas, one at a time in random order, for their contribution to
+        ``round_`` without sending ours (a ``GossipFollow``), until one answers or the
+        round's deadline passes; the outcome names that replica and its contribution, or
+        ends solo. This replica offers nothing in the round: it is not proposed to
+        (``busy``), and answers no follower."""
+        assert round_ > self.completed, "rounds only move forward"
+        self._begin(round_, None)
+        self._wake_held()
+        outcome = RoundOutcome(round_, None, None)
+        deadline = self.clock.now() + self.config.round_deadline_s
+        excluded: set[str] = set()
+        request = GossipFollow(stage=self.stage, round=round_, sender=self.self_id)
+        try:
+            while self.clock.now() < deadline:
+                pool = [
+                    p
+                    for p in self.replicas()
+                    if p.peer_id not in excluded and p.peer_id != self.self_id
+                ]
+                if not pool:
+                    break
+                peer = self.rng.choice(pool)
+                outcome.num_attempts += 1
+                answer = await self._request(
+                    peer, request, deadline, outcome, self._follow_timeout_s(deadline)
+                )
+                if isinstance(answer, GossipReply):
+                    outcome.partner_id = peer.peer_id
+                    outcome.contribution = Contribution(answer.tensors, answer.meta)
+                    break
+                if answer not in _TRANSIENT:
+                    excluded.add(peer.peer_id)
+                await self.clock.sleep(self.rng.uniform(0.0, self.config.listen_s))
+        finally:
+            self.completed = round_
+        return outcome
+
+    def _follow_timeout_s(self, deadline: float) -> float:
+        """How long a follow request may take: a hold, then a contribution as large as the
+        last one this replica offered coming down at the slowest rate waited for; at least
+        ``request_timeout_s``, and not past the round's deadline by more than the
+        transfer."""
+        size = self._last_offered_bytes
+        left_s = max(0.0, deadline - self.clock.now())
+        return min(self.config.request_timeout_s, left_s) + self.config.transfer_s(size)
+
+    def _begin(self, round_: int, mine: Contribution | None) -> None:
+        """Round ``round_`` begins here, offering ``mine`` (None: following)."""
+        self._round, self._mine, self._followers = round_, mine, set()
+        if mine is not None:
+            self._last_offered_bytes = mine.nbytes
+
+    def _wake_held(self) -> None:
+        """Wake the requests held for a round this replica had not reached."""
+        self._reached.set()
+        self._reached = asyncio.Event()
 
     def rewind(self, round_: int) -> None:
         """The stage's clock was set back and its rounds restart from ``round_`` (a grid
@@ -408,7 +490,7 @@ class GossipService:
     async def _request(
         self,
         peer: PeerRecord,
-        request: GossipRequest,
+        request: GossipRequest | GossipFollow,
         deadline: float,
         outcome: RoundOutcome,
         timeout_s: float | None = None,
@@ -433,24 +515,7 @@ class GossipService:
             raise Refused("wrong_stage", f"this replica serves stage {self.stage}, not {req.stage}")
         if req.round <= self.completed:
             raise Refused("stale", f"round {req.round} is over here (at {self.completed})")
-        if req.round > self._round:
-            if self._num_held >= self.config.max_held:
-                raise Refused("busy", f"{self._num_held} requests already wait here", 409)
-            self._num_held += 1
-            try:
-                async with asyncio.timeout(self.config.hold_s):
-                    while req.round > self._round:
-                        await self._reached.wait()
-            except TimeoutError:
-                raise Refused(
-                    "not_ready",
-                    f"round {req.round} not reached within {self.config.hold_s:.0f}s",
-                    503,
-                ) from None
-            finally:
-                self._num_held -= 1
-            if req.round != self._round:
-                raise Refused("stale", f"round {req.round} skipped here")
+        await self._reach(req.round)
         partner = self._partner
         if partner is None or partner.done():
             raise Refused("busy", f"round {req.round}: already paired", 409)
@@ -490,3 +555,50 @@ class GossipService:
         partner.set_result((req.sender, Contribution(req.tensors, req.meta, upload_s)))
         self._sent_as_acceptor = True
         return GossipReply(round=req.round, meta=self._mine.meta, tensors=self._mine.tensors)
+
+    async def handle_follow(self, req: GossipFollow) -> GossipReply:
+        """Answer a replica that follows us in ``req.round``: our contribution to that
+        round, if we still hold it (module docstring, point 7)."""
+        if req.stage != self.stage:
+            raise Refused("wrong_stage", f"this replica serves stage {self.stage}, not {req.stage}")
+        if req.round < self._round or (req.round == self._round and self._mine is None):
+            raise Refused("stale", f"round {req.round}: no contribution to it is kept here")
+        await self._reach(req.round)
+        mine = self._mine
+        if mine is None:  # this replica follows in this round itself
+            raise Refused("stale", f"round {req.round}: this replica offers nothing in it")
+        if req.sender in self._followers:
+            raise Refused("stale", f"round {req.round}: you were answered already", 409)
+        if len(self._followers) >= self.config.max_followers:
+            raise Refused(
+                "busy", f"round {req.round}: {len(self._followers)} replicas follow here", 409
+            )
+        self._followers.add(req.sender)
+        self.num_followers += 1
+        self.bytes_to_followers += mine.nbytes
+        return GossipReply(round=req.round, meta=mine.meta, tensors=mine.tensors)
+
+    async def _reach(self, round_: int) -> None:
+        """Return once this replica is in ``round_``: at once if it is; a request for a
+        round it has not reached is held until it gets there, at most ``hold_s``
+        (``not_ready``; ``busy`` when ``max_held`` wait already), and one for a round it
+        skipped is ``stale``."""
+        if round_ <= self._round:
+            return
+        if self._num_held >= self.config.max_held:
+            raise Refused("busy", f"{self._num_held} requests already wait here", 409)
+        self._num_held += 1
+        try:
+            async with asyncio.timeout(self.config.hold_s):
+                while round_ > self._round:
+                    await self._reached.wait()
+        except TimeoutError:
+            raise Refused(
+                "not_ready",
+                f"round {round_} not reached within {self.config.hold_s:.0f}s",
+                503,
+            ) from None
+        finally:
+            self._num_held -= 1
+        if round_ != self._round:
+            raise Refused("stale", f"round {round_} skipped here")

@@ -35,6 +35,7 @@ from protocol.messages import (
     Backward,
     FetchState,
     Forward,
+    GossipFollow,
     GossipRequest,
     HeadBackup,
     Hello,
@@ -329,6 +330,12 @@ _messages = st.one_of(
     ),
     _with_tensors(
         GossipRequest,
+        stage=_stages,
+        round=st.integers(-1, 3) | _int64,
+        sender=_peer_ids,
+    ),
+    st.builds(
+        GossipFollow,
         stage=_stages,
         round=st.integers(-1, 3) | _int64,
         sender=_peer_ids,

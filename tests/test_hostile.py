@@ -32,6 +32,7 @@ from protocol.messages import (
     Dropped,
     Error,
     Forward,
+    GossipFollow,
     GossipRequest,
     HeadBackup,
     Hello,
@@ -311,6 +312,8 @@ async def test_unknown_and_banned_peers_are_refused(make_node: Any) -> None:
     await refused(node, forward(sender=STRANGER), "unknown_peer", 403)
     gossip = GossipRequest(stage=1, round=0, sender=STRANGER, meta={})
     await refused(node, gossip, "unknown_peer", 403)
+    follow = GossipFollow(stage=1, round=0, sender=STRANGER)
+    await refused(node, follow, "unknown_peer", 403)
     await refused(node, HeadBackup(step=1, sender=STRANGER), "unknown_peer", 403)
     await refused(node, Rollback(stage=2, step=1, sender=STRANGER), "unknown_peer", 403)
     await refused(node, MoveRequest(stage=1, target=2, sender=STRANGER), "unknown_peer", 403)
@@ -368,6 +371,9 @@ async def test_gossip_and_ring_faults(make_node: Any) -> None:
     node = await make_node()
     wrong = GossipRequest(stage=2, round=0, sender=OTHER, meta={})
     await refused(node, wrong, "wrong_stage", 409)
+    await refused(node, GossipFollow(stage=2, round=0, sender=OTHER), "wrong_stage", 409)
+    # a round this replica never offered anything to: no contribution to follow
+    await refused(node, GossipFollow(stage=1, round=-1, sender=OTHER), "stale", 409)
     ring = await make_node(**{"sync.method": "diloco"})
     ring.table.observe(PeerRecord(peer_id=OTHER, address="x:1", stage=1, ready=True), 0.0)
     for round_id, code, status in (

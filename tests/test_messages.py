@@ -18,6 +18,7 @@ from protocol.messages import (
     Error,
     FetchState,
     Forward,
+    GossipFollow,
     GossipReply,
     GossipRequest,
     HeadBackup,
@@ -78,6 +79,7 @@ def test_every_message_type_round_trips() -> None:
         GossipRequest(
             stage=1, round=4, sender="ab", meta={"codec": "fp32"}, tensors={"phi": torch.ones(2)}
         ),
+        GossipFollow(stage=1, round=4, sender="ab"),
         GossipReply(round=4, meta={}, tensors={"phi": torch.zeros(2)}),
         RingChunk(
             round_id="dp:1:7",

@@ -118,6 +118,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_sync_bytes": ("counter", {"direction"}),
     "murmur_sync_in_progress": ("gauge", set()),
     "murmur_sync_promises_lapsed": ("counter", set()),
+    "murmur_sync_followers_answered": ("counter", set()),
     "murmur_sync_places_clamped": ("counter", set()),
     "murmur_sync_clock_restarts": ("counter", set()),
     "murmur_sync_uplink_too_thin": ("gauge", set()),

@@ -30,7 +30,7 @@ from node.context import NodeContext, NodeState
 from node.services.guard import RequestGuard
 from node.services.sync import CLOCK_BACK_WAIT_S, StageSync
 from node.stage.runner import StageRunner
-from protocol.messages import Message, PeerRecord, RingChunk
+from protocol.messages import GossipFollow, GossipRequest, Message, PeerRecord, RingChunk
 from protocol.quant import bytes_per_value, encode_tensor
 from swarm.peers import PeerTable
 from swarm.routing import Router
@@ -73,10 +73,13 @@ def lone_replica(
     round_s: float = ROUND_S,
     uplink_bytes_s: float | None = None,
     settings: dict[str, str] | None = None,
+    peer_id: str = "a" * 16,
+    transport: Any = None,
 ) -> tuple[StageSync, StageRunner, list[asyncio.Task[None]]]:
     """A replica of stage 1 on the clock schedule, alone in its table; ``round_s`` 0: the
     period is derived (``sync.outer_steps`` 10); its uploads get ``uplink_bytes_s`` (None:
-    not known); ``settings`` on top."""
+    not known); ``settings`` on top; ``transport``: what reaches its partners (None:
+    nobody)."""
     config = resolve_config(
         None,
         {},
@@ -99,15 +102,15 @@ def lone_replica(
 
     ctx = NodeContext(
         config=config,
-        peer_id="a" * 16,
+        peer_id=peer_id,
         num_stages=2,
         state=NodeState(stage=1, ready=True, address="127.0.0.1:1", runner=runner),
         clock=clock,
         rng=random.Random(0),
-        table=PeerTable("a" * 16, 30.0, 100),
+        table=PeerTable(peer_id, 30.0, 100),
         stages=dict,
         router=Router(random.Random(0)),
-        transport=NoPeers(),
+        transport=NoPeers() if transport is None else transport,
         counters=Counter(),
         spawn=spawn,
     )
@@ -351,7 +354,8 @@ async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_round
     10 s one: the replica would reach its next round late, and its partners' proposals there
     meet ``not_ready`` or ``stale``. So from the next boundary it takes every 2nd round of
     the stage (20 s carry 16 s; 40 s would hold 1.5 x 16 s, but it goes up at most twice as
-    many at a time), publishes 20 s, and skips the boundaries between. Recent partners
+    many at a time), publishes 20 s, and (``sync.follow`` off; with it, the next test) skips
+    the boundaries between. Recent partners
     that announced 1.5, 1 and 2 s (median 1.5) make the exchange 9.5 s, which a 10 s
     round carries; one partner announcing 40 s among them moves the median nowhere.
     Partners slower than this replica (median 30 s) count as long as its own: 16 s, as with
@@ -359,7 +363,7 @@ async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_round
     short: it is counted, warned and told to take rounds of at least 10 s (1.5 x 16 s over
     eight, rounded up)."""
     clock = WallClock(999_995.0)
-    fixed = {"sync.codec": "fp32"}
+    fixed = {"sync.codec": "fp32", "sync.follow": "false"}
     sync, runner, tasks = lone_replica(clock, round_s, uplink_bytes_s=400_000.0, settings=fixed)
     sync.partner_uploads.extend(partners)
     sync.round_multiple = start
@@ -396,6 +400,94 @@ async def test_a_replica_whose_exchange_outlasts_the_round_takes_every_few_round
             assert "max_upload_wait_s" not in warned[0]  # a partner waits long enough
     finally:
         runner.close()
+
+
+class Direct:
+    """A transport that hands NoLoCo requests to the addressed replica's ``StageSync``."""
+
+    def __init__(self) -> None:
+        self.syncs: dict[str, StageSync] = {}
+        self.sent: list[tuple[str, str]] = []
+        """(message type, address) of every request, in order."""
+
+    async def request(
+        self, address: str, msg: Message, timeout_s: float, peer_id: str = ""
+    ) -> Message:
+        self.sent.append((msg.TYPE, address))
+        sync = self.syncs[address]
+        if isinstance(msg, GossipFollow):
+            return await sync.on_follow(msg)
+        assert isinstance(msg, GossipRequest), msg
+        return await sync.on_gossip(msg)
+
+
+async def test_a_replica_that_spans_rounds_follows_a_partner_in_those_between() -> None:
+    """Two replicas on 10 s rounds: ``fat`` takes every round, ``thin`` every 2nd
+    (``round_multiple`` 2, published as 20 s rounds) and follows in those between. At the
+    boundary 1_000_010, off thin's grid, fat has nobody to pair with (thin publishes no
+    round there) and steps solo; thin sends one ``GossipFollow`` and steps with fat's
+    contribution to that round, which fat never hears back from: NoLoCo's rule for a pair,
+    applied on thin's side only, written out here (``sync.scale_by_steps`` off, so the
+    published rule: ``m = beta * mean(d) + gamma * (mean(phi) - phi)``, momentum zero before).
+    Fat's slow weights take its solo step, as if thin did not exist. At 1_000_020 both
+    take the round and pair (thin proposes or is proposed to: no follow)."""
+    clock = WallClock(1_000_005.0)
+    net = Direct()
+    fixed = {"sync.codec": "fp32", "sync.scale_by_steps": "false"}
+    ids = {"fat": "f" * 16, "thin": "7" * 16}
+    made = {
+        name: lone_replica(clock, 10.0, settings=fixed, peer_id=peer_id, transport=net)
+        for name, peer_id in ids.items()
+    }
+    (fat, fat_runner, fat_tasks), (thin, thin_runner, thin_tasks) = made["fat"], made["thin"]
+    thin.round_multiple = 2
+    now = time.monotonic()
+    for name, sync in (("fat", fat), ("thin", thin)):
+        net.syncs[name] = sync
+        other = "thin" if name == "fat" else "fat"
+        published = 20.0 if other == "thin" else 10.0
+        sync.ctx.table.observe(
+            PeerRecord(ids[other], other, 1, ready=True, round_s=published, step_s=STEP_S), now
+        )
+    try:
+        for sync in (fat, thin):
+            sync.poll()  # begins serving: the boundary behind it is skipped
+        torch.manual_seed(0)
+        inner_steps(fat_runner, 3)
+        inner_steps(thin_runner, 2)
+        phi_f, d_f = fat_runner.phi.clone(), fat_runner._theta() - fat_runner.phi
+        phi_t, d_t = thin_runner.phi.clone(), thin_runner._theta() - thin_runner.phi
+        clock.wall_s = 1_000_010.1
+        for runner in (fat_runner, thin_runner):
+            runner.step_s = STEP_S
+        fat.poll()
+        thin.poll()
+        assert fat_tasks and thin_tasks, "both take the round at 1_000_010"
+        await asyncio.gather(*fat_tasks, *thin_tasks)
+        fat_tasks.clear()
+        thin_tasks.clear()
+        assert net.sent == [("gossip_follow", "fat")]
+        assert thin.rounds == Counter(followed=1) and fat.rounds == Counter(solo=1)
+        assert fat.gossip.num_followers == 1 and thin.follow_requests == 1
+        m_t = BETA * (d_t + d_f) / 2 + BETA * ((phi_t + phi_f) / 2 - phi_t)  # gamma = beta
+        assert torch.allclose(thin_runner.phi, phi_t + m_t, atol=1e-6)
+        assert torch.allclose(fat_runner.phi, phi_f + BETA * d_f, atol=1e-6)
+        status = thin.status()
+        assert status["rounds"] == {"followed": 1} and status["follow_requests"] == 1
+        assert fat.status()["followers_answered"] == 1
+
+        inner_steps(fat_runner, 2)
+        inner_steps(thin_runner, 1)
+        clock.wall_s = 1_000_020.1
+        fat.poll()
+        thin.poll()
+        assert fat_tasks and thin_tasks, "both take the round at 1_000_020"
+        await asyncio.gather(*fat_tasks, *thin_tasks)
+        assert thin.rounds["paired"] == 1 and fat.rounds["paired"] == 1
+        assert [t for t, _ in net.sent[1:]].count("gossip_follow") == 0
+    finally:
+        fat_runner.close()
+        thin_runner.close()
 
 
 def test_partners_whose_published_period_skips_this_round_are_not_asked() -> None:

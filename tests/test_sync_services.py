@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from protocol.errors import MalformedMessage
-from protocol.messages import Ack, GossipReply, GossipRequest, Hop, Message, PeerRecord, RingChunk
+from protocol.messages import (
+    Ack,
+    GossipFollow,
+    GossipReply,
+    GossipRequest,
+    Hop,
+    Message,
+    PeerRecord,
+    RingChunk,
+)
 from protocol.quant import encode_tensor
 from swarm.allreduce import RingAllReduce, RingFailed, chunk_bounds, ring_steps
 from swarm.gossip import Contribution, GossipConfig, GossipService
@@ -57,11 +66,15 @@ class Net:
                 if isinstance(msg, RingChunk):
                     self.rings[address].deliver(msg)
                     return Ack()
-                if isinstance(msg, GossipRequest):
+                if isinstance(msg, GossipRequest | GossipFollow):
                     if msg.sender in self.strangers.get(address, set()):
                         raise Refused("unknown_peer", f"{msg.sender} has not said hello")
                     self.tensor_bytes += _nbytes(msg)
-                    reply = await self.gossip[address].handle_request(msg)
+                    service = self.gossip[address]
+                    if isinstance(msg, GossipFollow):
+                        reply = await service.handle_follow(msg)
+                    else:
+                        reply = await service.handle_request(msg)
                     self.tensor_bytes += _nbytes(reply)
                     await self._cross(reply)
                     return reply
@@ -298,6 +311,10 @@ async def test_a_finished_ring_round_holds_no_bytes() -> None:
 # ---- NoLoCo matchmaking ------------------------------------------------------------------
 
 
+def make_records(n: int) -> list[PeerRecord]:
+    return [PeerRecord(peer_id=f"p{i}", address=f"a{i}", stage=1, ready=True) for i in range(n)]
+
+
 def make_gossip(net: Net, n: int, **cfg: float) -> list[GossipService]:
     config = GossipConfig(
         **{
@@ -308,7 +325,7 @@ def make_gossip(net: Net, n: int, **cfg: float) -> list[GossipService]:
             **cfg,
         }
     )
-    records = [PeerRecord(peer_id=f"p{i}", address=f"a{i}", stage=1, ready=True) for i in range(n)]
+    records = make_records(n)
     services = []
     for i, rec in enumerate(records):
         svc = GossipService(
@@ -691,6 +708,81 @@ async def test_stale_and_busy_refusals() -> None:
     with pytest.raises(Refused) as info:
         await b.handle_request(GossipRequest(stage=1, round=0, sender="p0", meta={}))
     assert info.value.code == "not_ready"
+
+
+async def test_a_follower_takes_a_contribution_and_sends_none_while_the_others_pair() -> None:
+    """Three replicas of which one follows: the other two pair with each other (the
+    follower answers their proposals ``busy``), and the follower gets one of their
+    contributions without sending its own: the wire carries two contributions for the pair
+    and one for the follower, 12 bytes each."""
+    net = Net()
+    a, b, c = make_gossip(net, 3)
+    ra, rb, rc = await asyncio.gather(
+        a.exchange(0, contrib(0)), b.exchange(0, contrib(1)), c.follow(0)
+    )
+    assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+    assert rc.partner_id in ("p0", "p1") and rc.num_attempts == 1
+    assert rc.contribution is not None
+    assert rc.contribution.meta == {"who": int(rc.partner_id[1])}
+    assert net.tensor_bytes == 3 * 12
+    assert a.num_followers + b.num_followers == 1 and c.completed == 0
+
+
+async def test_a_contribution_can_be_followed_until_the_next_round_begins() -> None:
+    """A pair that finished round 0 still answers a follower of round 0 (it keeps its
+    contribution), each follower once and at most ``max_followers`` of them (``busy``
+    beyond); once it is in round 1, a follower of round 0 hears ``stale`` from both and
+    steps solo; a follower of round 1 that is not reached yet is held until it is."""
+    net = Net()
+    a, b, c, d = make_gossip(net, 4, max_followers=2)
+    a.replicas = lambda: [r for r in make_records(4) if r.peer_id == "p1"]
+    b.replicas = lambda: [r for r in make_records(4) if r.peer_id == "p0"]
+    c.replicas = d.replicas = lambda: make_records(2)  # the pair
+    await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
+    got = await a.handle_follow(GossipFollow(stage=1, round=0, sender="p2"))
+    assert got.meta == {"who": 0} and torch.equal(got.tensors["phi"], torch.zeros(3))
+    for sender, code in (("p2", "stale"), ("p3", None), ("p9", "busy")):
+        follow = GossipFollow(stage=1, round=0, sender=sender)
+        if code is None:
+            await a.handle_follow(follow)
+            continue
+        with pytest.raises(Refused) as info:
+            await a.handle_follow(follow)
+        assert info.value.code == code
+    assert a.num_followers == 2 and a.bytes_to_followers == 24
+
+    await asyncio.gather(a.exchange(1, contrib(0)), b.exchange(1, contrib(1)))
+    late = await d.follow(0)
+    assert late.partner_id is None and late.refusals == {"stale": 2}
+
+    async def round_2_later() -> None:
+        await asyncio.sleep(0.2)
+        await a.exchange(2, contrib(5))
+
+    early, _ = await asyncio.gather(c.follow(2), round_2_later())
+    # b never reaches round 2 (not_ready after its hold); a answers once it gets there
+    assert early.partner_id == "p0" and early.contribution is not None
+    assert early.contribution.meta == {"who": 5}
+
+
+async def test_a_follower_offers_nothing_in_its_round() -> None:
+    """While it follows (its partners unreachable here), a replica answers a proposal
+    ``busy`` and a follower ``stale``; its round ends solo at the deadline."""
+    net = Net()
+    a, b, c = make_gossip(net, 3, round_deadline_s=1.0, request_timeout_s=0.3)
+    net.dead = {"a0", "a1"}
+    following = asyncio.ensure_future(c.follow(0))
+    await asyncio.sleep(0.05)
+    for request, code in (
+        (GossipRequest(stage=1, round=0, sender="p0", meta={}, propose=True), "busy"),
+        (GossipFollow(stage=1, round=0, sender="p1"), "stale"),
+    ):
+        with pytest.raises(Refused) as info:
+            handler = c.handle_follow if isinstance(request, GossipFollow) else c.handle_request
+            await handler(request)  # type: ignore[arg-type]
+        assert info.value.code == code
+    outcome = await following
+    assert outcome.partner_id is None and outcome.refusals.get("timeout", 0) >= 2
 
 
 async def test_many_rounds_many_replicas_always_terminate() -> None:

@@ -38,7 +38,7 @@ from node.logs import RateLimitedLog
 from node.services.guard import RequestGuard
 from node.stage.outer import Offer
 from node.stage.runner import StageRunner
-from protocol.messages import GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
+from protocol.messages import GossipFollow, GossipReply, GossipRequest, Hop, PeerRecord, RingChunk
 from protocol.quant import tensor_bytes
 from swarm.allreduce import RingAllReduce, RingFailed
 from swarm.gossip import Contribution, GossipConfig, GossipService
@@ -132,6 +132,8 @@ class StageSync:
         self.bytes_received = 0
         self.proposals = 0
         """NoLoCo proposals this replica made, over all its rounds."""
+        self.follow_requests = 0
+        """``GossipFollow`` requests this replica made, in the rounds it followed."""
         self.spread_rms: float | None = None
         self.spread_sum = 0.0
         self.spread_count = 0
@@ -205,6 +207,11 @@ class StageSync:
             raise Refused("no_gossip", f"this replica synchronises with {self.method}, not noloco")
         return await self.gossip.handle_request(req)
 
+    async def on_follow(self, req: GossipFollow) -> GossipReply:
+        if self.method != "noloco":
+            raise Refused("no_gossip", f"this replica synchronises with {self.method}, not noloco")
+        return await self.gossip.handle_follow(req)
+
     def on_ring_chunk(self, chunk: RingChunk) -> None:
         if self.method not in ("diloco", "allreduce"):
             raise Refused("no_ring", f"this replica synchronises with {self.method}, not a ring")
@@ -256,6 +263,17 @@ class StageSync:
         yet, or not on the clock schedule)."""
         return (self._period_s() or 0.0) if self.clocked else 0.0
 
+    def _grid_s(self) -> float | None:
+        """Seconds between the boundaries this replica takes: its period, or the stage's
+        where it spans rounds and follows in those between (``_follows_between``)."""
+        return self._stage_period_s() if self._follows_between() else self._period_s()
+
+    def _follows_between(self) -> bool:
+        """Whether this replica follows a partner (``swarm.gossip``, point 7) in the
+        stage's rounds between those its own rounds span: NoLoCo, ``sync.follow``, and a
+        span of more than one round."""
+        return self.method == "noloco" and self.config.follow and self.round_multiple > 1
+
     def _period_s(self) -> float | None:
         """The period this replica's clock rounds run on: the stage's, times the rounds one
         of its rounds spans (None: not known yet)."""
@@ -285,9 +303,10 @@ class StageSync:
         period = self._round_period()
         if self._round_began_ms is None and self.runner.round_steps > 0:
             self._round_began_ms = self._stage_ms()  # its first inner step: its first round
-        if period is None:
+        grid = self._grid_s()
+        if period is None or grid is None:
             return None
-        period_ms = round(period * 1000)
+        period_ms = round(grid * 1000)
         latest = self._stage_ms() // period_ms * period_ms
         if self.last_round < 0:
             self.last_round = latest
@@ -356,15 +375,20 @@ class StageSync:
 
     async def _clock_round(self, boundary_ms: int) -> None:
         self.last_round = boundary_ms
-        period = self._period_s() or 0.0
-        share = round_share(self._round_began_ms, boundary_ms, round(period * 1000))
+        grid = self._grid_s() or 0.0
+        share = round_share(self._round_began_ms, boundary_ms, round(grid * 1000))
+        # between the rounds it spans, a replica follows (its own are on its period's grid)
+        follow = self._follows_between() and not _on_grid(boundary_ms, self._period_s() or 0.0)
         # the next round begins now, or for a replica that had no work at its next inner step
         self._round_began_ms = boundary_ms if self.runner.round_steps > 0 else None
         await self.runner.compute(self.runner.begin_outer)
-        await self._round("outer", boundary_ms, share)
+        await self._round("outer", boundary_ms, share, follow)
 
-    async def _round(self, kind: str, round_id: int, share: float = 1.0) -> None:
-        """Run one round; ``share``: the part of a clock round this replica trained in."""
+    async def _round(
+        self, kind: str, round_id: int, share: float = 1.0, follow: bool = False
+    ) -> None:
+        """Run one round; ``share``: the part of a clock round this replica trained in;
+        ``follow``: a NoLoCo round in which it follows a partner instead of exchanging."""
         t0 = time.monotonic()
         if kind == "outer":
             self.last_round = round_id
@@ -372,7 +396,7 @@ class StageSync:
             if kind == "grads":
                 await self._allreduce_grads()
             elif self.method == "noloco":
-                await self._noloco(round_id, share)
+                await self._noloco(round_id, share, follow)
             else:
                 await self._diloco(round_id, share)
         except Exception:
@@ -388,23 +412,34 @@ class StageSync:
     def _ref_steps(self, share: float) -> float:
         """On the clock schedule: the stage's usual inner steps in ``share`` of a round (the
         part this replica trained in), the period over the median of its replicas' seconds
-        per step, times ``share`` (0 when unknown, or on the steps schedule)."""
-        period = self._period_s()
+        per step, times ``share`` (0 when unknown, or on the steps schedule). A replica that
+        follows between the rounds it spans takes a round at every boundary of the stage's:
+        the period is the stage's."""
+        period = self._grid_s()
         if not self.clocked or not period:
             return 0.0
         measured = [s for s in self._step_times() if s > 0]
         return share * period / statistics.median(measured) if measured else 0.0
 
-    async def _noloco(self, round_: int, share: float) -> None:
+    async def _noloco(self, round_: int, share: float, follow: bool = False) -> None:
+        """One NoLoCo round: exchange contributions with a partner, or, with ``follow``,
+        take a partner's without sending ours (``swarm.gossip``, point 7); then the outer
+        step with what came (solo if nothing did)."""
         ref_steps = self._ref_steps(share)
         steps = self.runner.round_steps  # held: no inner step until the round ends
-        codec = self._codec(2 * self.runner.outer.phi.numel(), self.gossip.config.allowed_s)
-        tensors, meta = await self.runner.compute(self.runner.outer_contribution, codec, ref_steps)
-        nbytes = tensor_bytes(tensors)
-        mine = Contribution(tensors, meta, upload_s=self._judge_uplink(nbytes, codec))
-        outcome = await self.gossip.exchange(round_, mine)
-        self.proposals += outcome.num_attempts
-        self.bytes_sent += nbytes * outcome.num_sent
+        if follow:
+            outcome = await self.gossip.follow(round_)
+            self.follow_requests += outcome.num_attempts
+        else:
+            codec = self._codec(2 * self.runner.outer.phi.numel(), self.gossip.config.allowed_s)
+            tensors, meta = await self.runner.compute(
+                self.runner.outer_contribution, codec, ref_steps
+            )
+            nbytes = tensor_bytes(tensors)
+            mine = Contribution(tensors, meta, upload_s=self._judge_uplink(nbytes, codec))
+            outcome = await self.gossip.exchange(round_, mine)
+            self.proposals += outcome.num_attempts
+            self.bytes_sent += nbytes * outcome.num_sent
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
             self.bytes_received += tensor_bytes(outcome.contribution.tensors)
@@ -420,13 +455,14 @@ class StageSync:
             self.spread_sum += spread
             self.spread_count += 1
             self.spread_history.append((self.runner.outer_rounds, spread))
-            self.rounds["paired"] += 1
+            self.rounds["followed" if follow else "paired"] += 1
         else:
             self.rounds["solo"] += 1
         log.info(
             "noloco outer step %d: %s%s%s",
             self.runner.outer_rounds + 1,
-            f"paired with {outcome.partner_id[:8]}, spread {spread:.2e}"
+            f"{'followed' if follow else 'paired with'} {outcome.partner_id[:8]}, "
+            f"spread {spread:.2e}"
             if outcome.partner_id and spread is not None
             else "solo",
             f"; {steps} inner steps, the stage's usual {ref_steps:.0f}" if ref_steps else "",
@@ -518,7 +554,12 @@ class StageSync:
             stage_s,
             _every(multiple),
             stage_s * multiple,
-            "; its partners pair among themselves in the others" if multiple > 1 else "",
+            (
+                "; its partners pair among themselves in the others"
+                + (", and it follows one of them there" if self.config.follow else "")
+            )
+            if multiple > 1
+            else "",
         )
 
     def _thin_advice(self, codec: str, send_s: float, given_s: float, exchange_s: float) -> str:
@@ -687,7 +728,7 @@ class StageSync:
             "rounds": dict(self.rounds),
             "seconds_sum": round(self.seconds_sum, 3),
             "seconds_count": self.seconds_count,
-            "bytes_sent": self.bytes_sent,
+            "bytes_sent": self.bytes_sent + self.gossip.bytes_to_followers,
             "bytes_received": self.bytes_received,
             "spread_rms": self.spread_rms,
             "spread_rms_mean": self.spread_sum / self.spread_count if self.spread_count else None,
@@ -697,6 +738,8 @@ class StageSync:
             "typical_distance": self.screen.typical(),
             "promises_lapsed": self.gossip.num_lapsed,
             "proposals": self.proposals,
+            "follow_requests": self.follow_requests,
+            "followers_answered": self.gossip.num_followers,
             "places_clamped": self.runner.places_clamped,
             "clock_offset_s": round(self.offset_s, 3),
             "clock_restarts": self.clock_restarts,
