@@ -312,14 +312,9 @@ class GossipService:
                 if self._promised is not None:
                     await self._keep_promise(partner)
                     continue
-                pool = [
-                    p
-                    for p in self.replicas()
-                    if p.peer_id not in excluded and p.peer_id != self.self_id
-                ]
-                if not pool:
+                peer = self._pick(excluded)
+                if peer is None:
                     break
-                peer = self.rng.choice(pool)
                 outcome.num_attempts += 1
                 code = await self._ask(peer, round_, mine, deadline, outcome)
                 if code not in _TRANSIENT:
@@ -349,14 +344,9 @@ class GossipService:
         request = GossipFollow(stage=self.stage, round=round_, sender=self.self_id)
         try:
             while self.clock.now() < deadline:
-                pool = [
-                    p
-                    for p in self.replicas()
-                    if p.peer_id not in excluded and p.peer_id != self.self_id
-                ]
-                if not pool:
+                peer = self._pick(excluded)
+                if peer is None:
                     break
-                peer = self.rng.choice(pool)
                 outcome.num_attempts += 1
                 answer = await self._request(
                     peer, request, deadline, outcome, self._follow_timeout_s(deadline)
@@ -371,6 +361,13 @@ class GossipService:
         finally:
             self.completed = round_
         return outcome
+
+    def _pick(self, excluded: set[str]) -> PeerRecord | None:
+        """A live replica at random, not ``excluded`` this round (None: none is left)."""
+        pool = [
+            p for p in self.replicas() if p.peer_id not in excluded and p.peer_id != self.self_id
+        ]
+        return self.rng.choice(pool) if pool else None
 
     def _follow_timeout_s(self, deadline: float) -> float:
         """How long a follow request may take: a hold, then a contribution as large as the

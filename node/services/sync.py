@@ -11,7 +11,8 @@ Owns the glue between the runner (which holds its optimizer steps when a round i
 while forward and backward keep flowing) and the swarm services that move the bytes:
 ``swarm.gossip`` for NoLoCo, ``swarm.allreduce`` for DiLoCo and data parallel. A round's
 torch work (snapshots, encoding, the update rules) runs on the compute thread; the event
-loop only waits on the network. Every round ends in a defined way: NoLoCo paired or solo;
+loop only waits on the network. Every round ends in a defined way: NoLoCo paired, followed
+(``swarm.gossip``, point 7: a replica spanning rounds, in those between) or solo;
 DiLoCo and data parallel all-reduced or, when the ring fails, solo (each replica applies
 its own pseudo-gradient or gradient). A NoLoCo partner's offer passes ``swarm.screen``
 first: one that is malformed, not finite or too far from this replica is refused (solo
@@ -148,7 +149,8 @@ class StageSync:
         self.round_multiple = 1
         """How many of the stage's clock rounds one round of this replica spans: more than
         one where its NoLoCo exchange outlasts the stage's round
-        (``swarm.schedule.round_multiple``)."""
+        (``swarm.schedule.round_multiple``). With ``sync.follow`` it follows a partner in
+        the stage's rounds between (``_follows_between``)."""
         self._stage_checked = -math.inf
         self.last_round = -1
         """The id of the last round started: a grid boundary in ms, or an outer step count."""
