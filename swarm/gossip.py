@@ -370,10 +370,9 @@ class GossipService:
         return self.rng.choice(pool) if pool else None
 
     def _follow_timeout_s(self, deadline: float) -> float:
-        """How long a follow request may take: a hold, then a contribution as large as the
-        last one this replica offered coming down at the slowest rate waited for; at least
-        ``request_timeout_s``, and not past the round's deadline by more than the
-        transfer."""
+        """How long a follow request may take: ``request_timeout_s`` (cut at the round's
+        deadline) for a hold, plus a contribution as large as the last one this replica
+        offered coming down at the slowest rate waited for."""
         size = self._last_offered_bytes
         left_s = max(0.0, deadline - self.clock.now())
         return min(self.config.request_timeout_s, left_s) + self.config.transfer_s(size)
