@@ -287,14 +287,13 @@ class GossipService:
     async def exchange(self, round_: int, mine: Contribution) -> RoundOutcome:
         """Find a partner for ``round_`` and swap contributions, or end solo."""
         assert round_ > self.completed, "rounds only move forward"
-        loop = asyncio.get_running_loop()
-        self._begin(round_, mine)
         self._promised, self._incoming, self._sent_as_acceptor = None, None, False
         now = self.clock.now()
         self._lapsed = {p: until for p, until in self._lapsed.items() if until > now}
         self._false_incoming = {p: t for p, t in self._false_incoming.items() if t > now}
-        self._partner = partner = loop.create_future()
-        self._wake_held()
+        partner: asyncio.Future[tuple[str, Contribution]]
+        partner = asyncio.get_running_loop().create_future()
+        self._begin(round_, mine, partner)
         outcome = RoundOutcome(round_, None, None)
         deadline = self.clock.now() + self.config.round_deadline_s
         excluded: set[str] = set()  # stale, unreachable or timed out: not asked again
@@ -336,8 +335,7 @@ class GossipService:
         ends solo. This replica offers nothing in the round: it is not proposed to
         (``busy``), and answers no follower."""
         assert round_ > self.completed, "rounds only move forward"
-        self._begin(round_, None)
-        self._wake_held()
+        self._begin(round_, None, None)
         outcome = RoundOutcome(round_, None, None)
         deadline = self.clock.now() + self.config.round_deadline_s
         excluded: set[str] = set()
@@ -377,14 +375,18 @@ class GossipService:
         left_s = max(0.0, deadline - self.clock.now())
         return min(self.config.request_timeout_s, left_s) + self.config.transfer_s(size)
 
-    def _begin(self, round_: int, mine: Contribution | None) -> None:
-        """Round ``round_`` begins here, offering ``mine`` (None: following)."""
-        self._round, self._mine, self._followers = round_, mine, set()
+    def _begin(
+        self,
+        round_: int,
+        mine: Contribution | None,
+        partner: asyncio.Future[tuple[str, Contribution]] | None,
+    ) -> None:
+        """Round ``round_`` begins here, offering ``mine`` and seeking ``partner`` (both
+        None: following, so proposals are refused); the requests held for a round this
+        replica had not reached wake and look again."""
+        self._round, self._mine, self._partner, self._followers = round_, mine, partner, set()
         if mine is not None:
             self._last_offered_bytes = mine.nbytes
-
-    def _wake_held(self) -> None:
-        """Wake the requests held for a round this replica had not reached."""
         self._reached.set()
         self._reached = asyncio.Event()
 
@@ -513,7 +515,9 @@ class GossipService:
             raise Refused("stale", f"round {req.round} is over here (at {self.completed})")
         await self._reach(req.round)
         partner = self._partner
-        if partner is None or partner.done():
+        if partner is None:  # reached, with nothing sought: it follows in this round
+            raise Refused("busy", f"round {req.round}: following here, nothing offered", 409)
+        if partner.done():
             raise Refused("busy", f"round {req.round}: already paired", 409)
         promised = self._promised
         if promised is not None and self.clock.now() >= self._promise_until:

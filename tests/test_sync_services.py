@@ -767,20 +767,23 @@ async def test_a_contribution_can_be_followed_until_the_next_round_begins() -> N
 
 async def test_a_follower_offers_nothing_in_its_round() -> None:
     """While it follows (its partners unreachable here), a replica answers a proposal
-    ``busy`` and a follower ``stale``; its round ends solo at the deadline."""
+    ``busy`` and a follower ``stale``, saying it follows, after a round it exchanged in as
+    well as in its first; its round ends solo at the deadline."""
     net = Net()
     a, b, c = make_gossip(net, 3, round_deadline_s=1.0, request_timeout_s=0.3)
     net.dead = {"a0", "a1"}
-    following = asyncio.ensure_future(c.follow(0))
+    before = await c.exchange(0, contrib(2))  # a round sought and over: nothing left open
+    assert before.partner_id is None
+    following = asyncio.ensure_future(c.follow(1))
     await asyncio.sleep(0.05)
-    for request, code in (
-        (GossipRequest(stage=1, round=0, sender="p0", meta={}, propose=True), "busy"),
-        (GossipFollow(stage=1, round=0, sender="p1"), "stale"),
+    for request, code, says in (
+        (GossipRequest(stage=1, round=1, sender="p0", meta={}, propose=True), "busy", "follow"),
+        (GossipFollow(stage=1, round=1, sender="p1"), "stale", "no contribution"),
     ):
         with pytest.raises(Refused) as info:
             handler = c.handle_follow if isinstance(request, GossipFollow) else c.handle_request
             await handler(request)  # type: ignore[arg-type]
-        assert info.value.code == code
+        assert info.value.code == code and says in info.value.message
     outcome = await following
     assert outcome.partner_id is None and outcome.refusals.get("timeout", 0) >= 2
 
