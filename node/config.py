@@ -335,8 +335,9 @@ class SyncConfig:
     """A replica whose NoLoCo exchange outlasts the stage's round takes every 2nd, 4th ...
     round in full; with this, in the rounds between it follows a partner: it downloads
     that partner's contribution, sends none of its own, and steps with it (a one-sided
-    pairing; ``swarm.gossip``, ``docs/algorithms.md``). Without it, it takes no outer step
-    in those rounds."""
+    pairing; ``swarm.gossip``, ``docs/algorithms.md``), and so in a round of its own whose
+    deadline passes with every partner paired already, instead of stepping solo. Without it,
+    it takes no outer step in the rounds between."""
     ring_inbox_bytes: int = 1 << 30
     """Bytes of ring chunks that may wait here for rounds (started or not) before further
     chunks are refused with ring_overload: a bound on what peers can make this node hold."""

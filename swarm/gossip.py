@@ -101,7 +101,11 @@ not hang. Round ``r`` of a replica is its outer step after ``r * H`` inner steps
    replica answers each follower at most once a round and at most ``max_followers`` of
    them (``busy`` beyond): a few bytes cannot buy more than one contribution's upload per
    replica and round. A follow for a round not reached yet is held as a proposal is; one
-   for a round whose contribution is gone (a later round began) is ``stale``.
+   for a round whose contribution is gone (a later round began) is ``stale``. Such a
+   replica may also follow in a round it sought in full and found no partner for
+   (``exchange(follow_if_solo=True)``: its fast partners met each other first): for at
+   most ``request_timeout_s`` past the round's deadline it follows instead of stepping
+   solo, still holding its own contribution for its followers.
 
 An accepted contribution whose reply is lost leaves the acceptor paired and the asker solo;
 both are valid NoLoCo steps. The service moves opaque contributions (tensors and their
@@ -217,6 +221,10 @@ class RoundOutcome:
     num_sent: int = 0
     """Times this replica's contribution was sent (requests and the reply as acceptor)."""
     refusals: dict[str, int] = field(default_factory=dict)
+    num_follows: int = 0
+    """``GossipFollow`` requests made (point 7)."""
+    followed: bool = False
+    """The contribution came from a replica followed (point 7), not from an exchange."""
 
 
 class GossipService:
@@ -284,8 +292,11 @@ class GossipService:
     def seeking(self) -> bool:
         return self._partner is not None and not self._partner.done()
 
-    async def exchange(self, round_: int, mine: Contribution) -> RoundOutcome:
-        """Find a partner for ``round_`` and swap contributions, or end solo."""
+    async def exchange(
+        self, round_: int, mine: Contribution, follow_if_solo: bool = False
+    ) -> RoundOutcome:
+        """Find a partner for ``round_`` and swap contributions, or end solo; with
+        ``follow_if_solo``, follow a replica instead of ending solo (point 7)."""
         assert round_ > self.completed, "rounds only move forward"
         self._promised, self._incoming, self._sent_as_acceptor = None, None, False
         now = self.clock.now()
@@ -326,6 +337,9 @@ class GossipService:
             self.completed = round_
             self._target = self._promised = self._incoming = None
         outcome.num_sent += self._sent_as_acceptor
+        if outcome.partner_id is None and follow_if_solo:
+            follow_deadline = self.clock.now() + self.config.request_timeout_s
+            await self._follow_until(round_, follow_deadline, outcome)
         return outcome
 
     async def follow(self, round_: int) -> RoundOutcome:
@@ -337,28 +351,34 @@ class GossipService:
         assert round_ > self.completed, "rounds only move forward"
         self._begin(round_, None, None)
         outcome = RoundOutcome(round_, None, None)
-        deadline = self.clock.now() + self.config.round_deadline_s
-        excluded: set[str] = set()
-        request = GossipFollow(stage=self.stage, round=round_, sender=self.self_id)
         try:
-            while self.clock.now() < deadline:
-                peer = self._pick(excluded)
-                if peer is None:
-                    break
-                outcome.num_attempts += 1
-                answer = await self._request(
-                    peer, request, deadline, outcome, self._follow_timeout_s(deadline)
-                )
-                if isinstance(answer, GossipReply):
-                    outcome.partner_id = peer.peer_id
-                    outcome.contribution = Contribution(answer.tensors, answer.meta)
-                    break
-                if answer not in _TRANSIENT:
-                    excluded.add(peer.peer_id)
-                await self.clock.sleep(self.rng.uniform(0.0, self.config.listen_s))
+            deadline = self.clock.now() + self.config.round_deadline_s
+            await self._follow_until(round_, deadline, outcome)
         finally:
             self.completed = round_
         return outcome
+
+    async def _follow_until(self, round_: int, deadline: float, outcome: RoundOutcome) -> None:
+        """Ask live replicas for their contribution to ``round_``, one at a time in random
+        order, until one answers (recorded in ``outcome`` as followed) or ``deadline``."""
+        excluded: set[str] = set()
+        request = GossipFollow(stage=self.stage, round=round_, sender=self.self_id)
+        while self.clock.now() < deadline:
+            peer = self._pick(excluded)
+            if peer is None:
+                return
+            outcome.num_follows += 1
+            answer = await self._request(
+                peer, request, deadline, outcome, self._follow_timeout_s(deadline)
+            )
+            if isinstance(answer, GossipReply):
+                outcome.partner_id = peer.peer_id
+                outcome.contribution = Contribution(answer.tensors, answer.meta)
+                outcome.followed = True
+                return
+            if answer not in _TRANSIENT:
+                excluded.add(peer.peer_id)
+            await self.clock.sleep(self.rng.uniform(0.0, self.config.listen_s))
 
     def _pick(self, excluded: set[str]) -> PeerRecord | None:
         """A live replica at random, not ``excluded`` this round (None: none is left)."""

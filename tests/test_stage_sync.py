@@ -34,6 +34,7 @@ from protocol.messages import GossipFollow, GossipRequest, Message, PeerRecord, 
 from protocol.quant import bytes_per_value, encode_tensor
 from swarm.peers import PeerTable
 from swarm.routing import Router
+from swarm.seams import Refused, TransportError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -415,10 +416,13 @@ class Direct:
     ) -> Message:
         self.sent.append((msg.TYPE, address))
         sync = self.syncs[address]
-        if isinstance(msg, GossipFollow):
-            return await sync.on_follow(msg)
-        assert isinstance(msg, GossipRequest), msg
-        return await sync.on_gossip(msg)
+        try:
+            if isinstance(msg, GossipFollow):
+                return await sync.on_follow(msg)
+            assert isinstance(msg, GossipRequest), msg
+            return await sync.on_gossip(msg)
+        except Refused as e:  # an Error reply, as the server sends it
+            raise TransportError(e.code, e.message) from None
 
 
 async def test_a_replica_that_spans_rounds_follows_a_partner_in_those_between() -> None:
@@ -430,7 +434,9 @@ async def test_a_replica_that_spans_rounds_follows_a_partner_in_those_between() 
     applied on thin's side only, written out here (``sync.scale_by_steps`` off, so the
     published rule: ``m = beta * mean(d) + gamma * (mean(phi) - phi)``, momentum zero before).
     Fat's slow weights take its solo step, as if thin did not exist. At 1_000_020 both
-    take the round and pair (thin proposes or is proposed to: no follow)."""
+    take the round and pair (thin proposes or is proposed to: no follow). At 1_000_040
+    fat is done with the round before thin seeks it (thin's proposal hears ``stale``):
+    thin follows fat in its own round instead of stepping solo."""
     clock = WallClock(1_000_005.0)
     net = Direct()
     fixed = {"sync.codec": "fp32", "sync.scale_by_steps": "false"}
@@ -485,6 +491,25 @@ async def test_a_replica_that_spans_rounds_follows_a_partner_in_those_between() 
         await asyncio.gather(*fat_tasks, *thin_tasks)
         assert thin.rounds["paired"] == 1 and fat.rounds["paired"] == 1
         assert [t for t, _ in net.sent[1:]].count("gossip_follow") == 0
+
+        inner_steps(fat_runner, 2)
+        inner_steps(thin_runner, 2)
+        # fat now reads thin's rounds as 30 s ones, so it does not wait for thin at 1_000_040
+        record = PeerRecord(
+            ids["thin"], "thin", 1, ready=True, round_s=30.0, step_s=STEP_S, version=1
+        )
+        assert fat.ctx.table.observe(record, time.monotonic())
+        clock.wall_s = 1_000_040.1
+        fat.poll()
+        await asyncio.gather(*fat_tasks)
+        assert fat.rounds["solo"] == 2
+        del net.sent[:]
+        thin.poll()
+        assert thin_tasks, "thin takes the round at 1_000_040"
+        await asyncio.gather(*thin_tasks)
+        assert net.sent == [("gossip_request", "fat"), ("gossip_follow", "fat")]
+        assert thin.rounds == Counter(followed=2, paired=1) and thin.follow_requests == 2
+        assert fat.gossip.num_followers == 2
     finally:
         fat_runner.close()
         thin_runner.close()

@@ -721,7 +721,7 @@ async def test_a_follower_takes_a_contribution_and_sends_none_while_the_others_p
         a.exchange(0, contrib(0)), b.exchange(0, contrib(1)), c.follow(0)
     )
     assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
-    assert rc.partner_id in ("p0", "p1") and rc.num_attempts == 1
+    assert rc.partner_id in ("p0", "p1") and (rc.num_attempts, rc.num_follows) == (0, 1)
     assert rc.contribution is not None
     assert rc.contribution.meta == {"who": int(rc.partner_id[1])}
     assert net.tensor_bytes == 3 * 12
@@ -763,6 +763,31 @@ async def test_a_contribution_can_be_followed_until_the_next_round_begins() -> N
     # b never reaches round 2 (not_ready after its hold); a answers once it gets there
     assert early.partner_id == "p0" and early.contribution is not None
     assert early.contribution.meta == {"who": 5}
+
+
+@pytest.mark.parametrize("follow_if_solo", [False, True])
+async def test_a_replica_that_finds_every_partner_paired_can_follow_instead(
+    follow_if_solo: bool,
+) -> None:
+    """The fat pair finishes its round before the third replica seeks it: both answer its
+    proposals ``stale`` and it would step solo. With ``follow_if_solo`` it follows one of
+    them instead: their contribution, nothing more of its own on the wire (the pair's two
+    and the one it downloads), and it still answers a follower of its round meanwhile."""
+    net = Net()
+    a, b, c = make_gossip(net, 3)
+    ra, rb = await asyncio.gather(a.exchange(0, contrib(0)), b.exchange(0, contrib(1)))
+    assert (ra.partner_id, rb.partner_id) == ("p1", "p0")
+    rc = await c.exchange(0, contrib(2), follow_if_solo)
+    assert rc.refusals.get("stale") == 2 and rc.num_attempts == 2 and rc.num_sent == 0
+    if not follow_if_solo:
+        assert rc.partner_id is None and not rc.followed and net.tensor_bytes == 2 * 12
+        return
+    assert rc.followed and rc.partner_id in ("p0", "p1") and rc.num_follows == 1
+    assert rc.contribution is not None
+    assert rc.contribution.meta == {"who": int(rc.partner_id[1])}
+    assert net.tensor_bytes == 3 * 12 and a.num_followers + b.num_followers == 1
+    got = await c.handle_follow(GossipFollow(stage=1, round=0, sender="p9"))
+    assert got.meta == {"who": 2}
 
 
 async def test_a_follower_offers_nothing_in_its_round() -> None:

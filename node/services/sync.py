@@ -12,7 +12,8 @@ while forward and backward keep flowing) and the swarm services that move the by
 ``swarm.gossip`` for NoLoCo, ``swarm.allreduce`` for DiLoCo and data parallel. A round's
 torch work (snapshots, encoding, the update rules) runs on the compute thread; the event
 loop only waits on the network. Every round ends in a defined way: NoLoCo paired, followed
-(``swarm.gossip``, point 7: a replica spanning rounds, in those between) or solo;
+(``swarm.gossip``, point 7: a replica spanning rounds, in those between, and in its
+own where no partner was free) or solo;
 DiLoCo and data parallel all-reduced or, when the ring fails, solo (each replica applies
 its own pseudo-gradient or gradient). A NoLoCo partner's offer passes ``swarm.screen``
 first: one that is malformed, not finite or too far from this replica is refused (solo
@@ -134,7 +135,7 @@ class StageSync:
         self.proposals = 0
         """NoLoCo proposals this replica made, over all its rounds."""
         self.follow_requests = 0
-        """``GossipFollow`` requests this replica made, in the rounds it followed."""
+        """``GossipFollow`` requests this replica made (``swarm.gossip``, point 7)."""
         self.spread_rms: float | None = None
         self.spread_sum = 0.0
         self.spread_count = 0
@@ -425,13 +426,13 @@ class StageSync:
 
     async def _noloco(self, round_: int, share: float, follow: bool = False) -> None:
         """One NoLoCo round: exchange contributions with a partner, or, with ``follow``,
-        take a partner's without sending ours (``swarm.gossip``, point 7); then the outer
-        step with what came (solo if nothing did)."""
+        take a partner's without sending ours (``swarm.gossip``, point 7); a replica that
+        spans rounds also follows in a round it sought in full and found no partner for.
+        Then the outer step with what came (solo if nothing did)."""
         ref_steps = self._ref_steps(share)
         steps = self.runner.round_steps  # held: no inner step until the round ends
         if follow:
             outcome = await self.gossip.follow(round_)
-            self.follow_requests += outcome.num_attempts
         else:
             codec = self._codec(2 * self.runner.outer.phi.numel(), self.gossip.config.allowed_s)
             tensors, meta = await self.runner.compute(
@@ -439,9 +440,10 @@ class StageSync:
             )
             nbytes = tensor_bytes(tensors)
             mine = Contribution(tensors, meta, upload_s=self._judge_uplink(nbytes, codec))
-            outcome = await self.gossip.exchange(round_, mine)
+            outcome = await self.gossip.exchange(round_, mine, self._follows_between())
             self.proposals += outcome.num_attempts
             self.bytes_sent += nbytes * outcome.num_sent
+        self.follow_requests += outcome.num_follows
         offer = None
         if outcome.contribution is not None and outcome.partner_id is not None:
             self.bytes_received += tensor_bytes(outcome.contribution.tensors)
@@ -457,13 +459,13 @@ class StageSync:
             self.spread_sum += spread
             self.spread_count += 1
             self.spread_history.append((self.runner.outer_rounds, spread))
-            self.rounds["followed" if follow else "paired"] += 1
+            self.rounds["followed" if outcome.followed else "paired"] += 1
         else:
             self.rounds["solo"] += 1
         log.info(
             "noloco outer step %d: %s%s%s",
             self.runner.outer_rounds + 1,
-            f"{'followed' if follow else 'paired with'} {outcome.partner_id[:8]}, "
+            f"{'followed' if outcome.followed else 'paired with'} {outcome.partner_id[:8]}, "
             f"spread {spread:.2e}"
             if outcome.partner_id and spread is not None
             else "solo",
