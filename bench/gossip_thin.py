@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import secrets
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tests.netns import Host
@@ -50,11 +52,18 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from bench.convergence_sim import distances_from_mean
 from bench.sync_unequal import slow_weights
-print(json.dumps(distances_from_mean([slow_weights(a, 1) for a in sys.argv[2:]])))
+for line in sys.stdin:
+    try:
+        got = distances_from_mean([slow_weights(a, 1) for a in sys.argv[2:]])
+    except Exception as e:
+        got = repr(e)
+    print(json.dumps([line.strip(), got]), flush=True)
 """
-"""Run inside a host with this checkout's root and the replicas' addresses: each one's RMS
-distance from their mean slow weights, as JSON (this checkout's code whichever commit the
-nodes run)."""
+"""Run once inside a host with this checkout's root and the replicas' addresses: for each
+line read, that line's text and each replica's RMS distance from their mean slow weights
+(or why they could not be had), as one JSON line (this checkout's code whichever commit the
+nodes run). One process for the whole run: importing torch in a fresh one for each sample
+took much of a round on two busy cores, and 2 samples of 32 timed out."""
 
 
 def say(text: str) -> None:
@@ -160,26 +169,62 @@ def sample_spreads(
     natted: Host, addresses: list[str], round_s: float, until: float
 ) -> list[list[float]]:
     """Until ``until`` (monotonic), in the middle of every round of the stage's grid: each
-    replica's RMS distance from the replicas' mean slow weights (``SPREAD``, run inside the
-    ``natted`` host), in the order of ``addresses``. A sample that fails is said and
-    skipped."""
+    replica's RMS distance from the replicas' mean slow weights (``SPREAD``, one process
+    inside the ``natted`` host), in the order of ``addresses``. A sample that fails or takes
+    over 60 s is said and skipped (a late answer is told apart by its number and dropped)."""
     from bench.sync_unequal import seconds_to_mid_round
 
+    sampler = natted.popen(
+        [sys.executable, "-c", SPREAD, str(ROOT), *addresses],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    answers: queue.Queue[str] = queue.Queue()
+    assert sampler.stdout is not None and sampler.stdin is not None
+    threading.Thread(target=_pass_lines, args=(sampler.stdout, answers), daemon=True).start()
     samples: list[list[float]] = []
-    while (left := until - time.monotonic()) > 0:
-        wait = seconds_to_mid_round(round_s, time.time())
-        if wait < 1.0:  # a sample has just been taken in this middle
-            wait += round_s
-        if wait >= left:
-            time.sleep(left)
-            break
-        time.sleep(wait)
-        try:
-            out = natted.run([sys.executable, "-c", SPREAD, str(ROOT), *addresses], timeout=60)
-            samples.append(json.loads(out))
-        except (subprocess.SubprocessError, ValueError) as e:
-            say(f"  a spread sample failed: {e}")
+    asked = 0
+    try:
+        while (left := until - time.monotonic()) > 0:
+            wait = seconds_to_mid_round(round_s, time.time())
+            if wait < 1.0:  # a sample has just been taken in this middle
+                wait += round_s
+            if wait >= left:
+                time.sleep(left)
+                break
+            time.sleep(wait)
+            asked += 1
+            sampler.stdin.write(f"{asked}\n")
+            sampler.stdin.flush()
+            got = _answer(answers, str(asked), 60.0)
+            if isinstance(got, list):
+                samples.append(got)
+            else:
+                say(f"  a spread sample failed: {got}")
+    finally:
+        sampler.kill()
+        sampler.wait()
     return samples
+
+
+def _pass_lines(stream: IO[str], into: queue.Queue[str]) -> None:
+    for line in stream:
+        into.put(line)
+
+
+def _answer(answers: queue.Queue[str], number: str, timeout_s: float) -> list[float] | str:
+    """The sampler's answer to request ``number`` within ``timeout_s``, skipping late
+    answers to earlier ones; why not, as text, when it fails or does not come."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            tag, got = json.loads(answers.get(timeout=left))
+        except queue.Empty:
+            break
+        if tag == number:
+            return got if isinstance(got, list) else str(got)
+    return f"no answer within {timeout_s:g} s"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

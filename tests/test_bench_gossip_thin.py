@@ -3,6 +3,8 @@ public replica and one behind a 5 Mbit/s uplink, real ``node join`` processes.""
 
 from __future__ import annotations
 
+import json
+import queue
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,13 @@ def test_auto_keeps_fp32_on_the_fat_uplink_and_both_replicas_take_their_rounds(
     assert row["public"]["spread_from_mean"] == pytest.approx(
         row["natted"]["spread_from_mean"], rel=1e-3
     ), row
+
+
+def test_a_sample_s_answer_skips_late_answers_to_earlier_requests() -> None:
+    answers: queue.Queue[str] = queue.Queue()
+    for line in (["1", [0.5, 0.5]], ["2", "ConnectionError()"], ["3", [0.1, 0.3]]):
+        answers.put(json.dumps(line) + "\n")
+    assert gossip_thin._answer(answers, "3", 5.0) == [0.1, 0.3]  # 1 and 2 came too late
+    answers.put(json.dumps(["4", "ConnectionError()"]))
+    assert gossip_thin._answer(answers, "4", 5.0) == "ConnectionError()"
+    assert gossip_thin._answer(answers, "5", 0.05) == "no answer within 0.05 s"
