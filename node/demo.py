@@ -222,7 +222,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for address in swarm.addresses:
             wait_ready(address, 120.0, swarm)
         say(f"all nodes ready; training. The swarm's page: http://{head}/")
-        summary = _train(head, swarm, args.budget_s, say, auth)
+        summary = train_for(head, swarm, args.budget_s, say, auth)
     except (RuntimeError, TimeoutError) as e:
         say(f"demo failed: {e}")
         swarm.stop()
@@ -248,7 +248,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(
+def train_for(
     head: str, swarm: LocalSwarm, budget_s: float, say: Any, auth: SwarmAuth | None = None
 ) -> dict[str, Any]:
     """Watch the head node until its training time reaches the budget; then evaluate."""
