@@ -195,8 +195,13 @@ def sample_spreads(
                 break
             time.sleep(wait)
             asked += 1
-            sampler.stdin.write(f"{asked}\n")
-            sampler.stdin.flush()
+            try:
+                sampler.stdin.write(f"{asked}\n")
+                sampler.stdin.flush()
+            except OSError:  # it exited: say so, and keep the run's length
+                say(f"  the spread sampler exited ({sampler.poll()}); no more samples")
+                time.sleep(max(0.0, until - time.monotonic()))
+                break
             got = _answer(answers, str(asked), 60.0)
             if isinstance(got, list):
                 samples.append(got)
