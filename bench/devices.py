@@ -14,20 +14,25 @@ run (``--arms``):
 - ``cpu``: every node on the CPU;
 - ``cuda``: every node on the GPU;
 - ``mixed``: the head on the GPU and, in every block stage, the replicas alternating between
-  the two, ``a`` on the GPU, ``b`` on the CPU, ``c`` on the GPU.
+  the two, ``a`` on the GPU, ``b`` on the CPU, ``c`` on the GPU;
+- ``slowed``: ``mixed``'s shape with no GPU: every node on the CPU, and the replicas
+  ``mixed`` puts there ``--slowdown`` times slower (``train.slowdown``: the compute thread
+  sleeps that many times what each piece of work took, less one).
 
 Each trains ``--budget-s`` seconds of the head's training time with NoLoCo on the clock
-schedule (``sync.round_s``). Reported per arm: the head's eval loss at the start and the end
-and its tokens/s; per replica, its device, rounds (paired, solo) and inner steps; per block
-stage, the RMS distance of each replica's slow weights from the stage's mean, sampled in the
-middle of a round at the end; and every node's error lines and exit code. With two replicas
-a pair is the whole stage and NoLoCo leaves both with the same slow weights, so the distance
-says something from three on (the default). The check: a ``mixed`` arm that learns as the
+schedule (``sync.round_s``). Reported per arm: the head's eval loss at the start and the
+end, its tokens/s and its in-flight window at the end; per replica, its device, rounds
+(paired, solo) and inner steps; per block stage, the RMS distance of each replica's slow
+weights from the stage's mean, sampled in the middle of a round at the end; and every node's
+error lines and exit code. With two replicas a pair is the whole stage and NoLoCo leaves
+both with the same slow weights, so the distance says something from three on (the
+default). The check: a ``mixed`` arm that learns as the
 others do, pairs in its rounds as ``cuda`` does and keeps its replicas as close, with no
 error line. Writes ``bench/results/<--name>.json`` (``devices``); there is no figure.
 
-Usage: ``python -m bench.devices [--arms cpu cuda mixed] [--budget-s 150] [--replicas 3]``
-(``cuda`` and ``mixed`` need a CUDA GPU).
+Usage: ``python -m bench.devices [--arms cpu cuda mixed slowed] [--budget-s 150]
+[--replicas 3] [--slowdown 16] [--set SECTION.FIELD=VALUE]`` (``cuda`` and ``mixed`` need a
+CUDA GPU; the default arms are those three).
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ from bench import add_output_args, save
 from bench.convergence_sim import distances_from_mean
 from bench.sync_unequal import slow_weights, to_mid_round
 from node.client import fetch_status
+from node.config import parse_sets
 from node.demo import LocalSwarm, train_for, wait_ready
 
-ARMS = ("cpu", "cuda", "mixed")
+ARMS = ("cpu", "cuda", "mixed", "slowed")
 ERROR_LINE = re.compile(r"^(\d\d:\d\d:\d\d E |Traceback)")
 """An error line of a node's log (``node.logs``' format) or the start of a traceback."""
 
@@ -59,12 +65,19 @@ def log(msg: str) -> None:
 def devices(arm: str, block_stages: int, replicas: int) -> dict[str, str]:
     """Each node's device under ``arm``: ``head``, and ``s<stage><a|b|c...>`` for the
     replicas; under ``mixed`` they alternate, ``a`` on the GPU, ``b`` on the CPU, ..."""
-    out = {"head": "cpu" if arm == "cpu" else "cuda"}
+    out = {"head": "cuda" if arm in ("cuda", "mixed") else "cpu"}
     for s in range(1, block_stages + 1):
-        for i, letter in enumerate(string.ascii_lowercase[:replicas]):
-            gpu = arm == "cuda" or (arm == "mixed" and i % 2 == 0)
-            out[f"s{s}{letter}"] = "cuda" if gpu else "cpu"
+        for letter in string.ascii_lowercase[:replicas]:
+            name = f"s{s}{letter}"
+            gpu = arm == "cuda" or (arm == "mixed" and not slowed(name))
+            out[name] = "cuda" if gpu else "cpu"
     return out
+
+
+def slowed(name: str) -> bool:
+    """Whether replica ``name`` is one that ``mixed`` puts on the CPU (``b``, ``d``, ...)
+    and ``slowed`` slows."""
+    return name != "head" and string.ascii_lowercase.index(name[-1]) % 2 == 1
 
 
 def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
@@ -74,6 +87,7 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "swarm.num_block_stages": str(args.block_stages),
         "sync.method": "noloco",
         "sync.round_s": str(args.round_s),
+        **parse_sets(args.set),
     }
     log_dir.mkdir(parents=True)
     swarm = LocalSwarm(log_dir, settings)
@@ -82,7 +96,10 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     try:
         for name, device in placed.items():
             stage = 0 if name == "head" else int(name[1:-1])
-            addresses[name] = swarm.start_node(stage, extra=["--device", device])
+            extra = ["--device", device]
+            if arm == "slowed" and slowed(name):
+                extra += ["--set", f"train.slowdown={args.slowdown}"]
+            addresses[name] = swarm.start_node(stage, extra=extra)
         for address in addresses.values():
             wait_ready(address, 180, swarm)
         log(f"{arm}: {len(addresses)} nodes serving ({placed}); {args.budget_s:g} s")
@@ -92,10 +109,13 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             st = fetch_status(address)
             replicas[name] = {
                 "device": placed[name],
+                "slowdown": args.slowdown if arm == "slowed" and slowed(name) else 1.0,
                 "stage": st.get("stage"),
                 "step": st["step"],
                 "rounds": dict((st.get("sync") or {}).get("rounds", {})),
             }
+            if name == "head":  # how many it kept in flight at the end (bench.routing_window)
+                replicas[name]["window"] = st.get("window")
         stages: dict[str, Any] = {}
         for s in range(1, args.block_stages + 1):
             members = [a for n, a in addresses.items() if n != "head" and int(n[1:-1]) == s]
@@ -134,7 +154,7 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=["cpu", "cuda", "mixed"])
     p.add_argument("--budget-s", type=float, default=150.0, help="head's training seconds an arm")
     p.add_argument("--block-stages", type=int, default=2)
     p.add_argument(
@@ -145,6 +165,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "whole stage with 2, and NoLoCo leaves the two with one copy of the slow weights)",
     )
     p.add_argument("--round-s", type=float, default=20.0, help="sync.round_s (the clock grid)")
+    p.add_argument("--slowdown", type=float, default=16.0, help="how much slower under slowed")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a setting for every node (train.window=fixed, say)",
+    )
     add_output_args(p, "devices")
     return p.parse_args(argv)
 

@@ -20,6 +20,9 @@ def test_the_mixed_arm_alternates_every_stage_s_replicas_between_the_devices() -
     assert mixed["head"] == "cuda"
     for s in (1, 2):
         assert [mixed[f"s{s}{r}"] for r in "abc"] == ["cuda", "cpu", "cuda"]
+    # slowed: the same shape on the CPU, the replicas mixed puts there slowed instead
+    assert set(devices.devices("slowed", 2, 3).values()) == {"cpu"}
+    assert [n for n in mixed if devices.slowed(n)] == ["s1b", "s2b"]
 
 
 @pytest.mark.slow
@@ -32,6 +35,7 @@ def test_the_cpu_arm_trains_pairs_and_reports_every_node(tmp_path: Path) -> None
     run = result["runs"]["cpu"]
     assert run["final_eval_loss"] < run["initial_eval_loss"]
     assert set(run["replicas"]) == {"head", "s1a", "s1b"}
+    assert run["replicas"]["head"]["window"]["policy"] == "adaptive"
     for name in ("s1a", "s1b"):
         replica = run["replicas"][name]
         assert replica["device"] == "cpu" and replica["stage"] == 1
