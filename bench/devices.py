@@ -74,6 +74,12 @@ def devices(arm: str, block_stages: int, replicas: int) -> dict[str, str]:
     return out
 
 
+def stage_of(name: str) -> int:
+    """The stage of node ``name`` of ``devices``: 0 for the head, else the number after
+    ``s``."""
+    return 0 if name == "head" else int(name[1:-1])
+
+
 def slowed(name: str) -> bool:
     """Whether replica ``name`` is one that ``mixed`` puts on the CPU (``b``, ``d``, ...)
     and ``slowed`` slows."""
@@ -95,11 +101,10 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     addresses: dict[str, str] = {}
     try:
         for name, device in placed.items():
-            stage = 0 if name == "head" else int(name[1:-1])
             extra = ["--device", device]
             if arm == "slowed" and slowed(name):
                 extra += ["--set", f"train.slowdown={args.slowdown}"]
-            addresses[name] = swarm.start_node(stage, extra=extra)
+            addresses[name] = swarm.start_node(stage_of(name), extra=extra)
         for address in addresses.values():
             wait_ready(address, 180, swarm)
         log(f"{arm}: {len(addresses)} nodes serving ({placed}); {args.budget_s:g} s")
@@ -118,16 +123,13 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 replicas[name]["window"] = st.get("window")
         stages: dict[str, Any] = {}
         for s in range(1, args.block_stages + 1):
-            members = [a for n, a in addresses.items() if n != "head" and int(n[1:-1]) == s]
+            members = [a for n, a in addresses.items() if n != "head" and stage_of(n) == s]
             to_mid_round(members[0])
             stages[str(s)] = distances_from_mean([slow_weights(a, s) for a in members])
     finally:
         codes = swarm.stop()
     for name, address in addresses.items():
-        path = (
-            log_dir / f"stage{0 if name == 'head' else name[1:-1]}-{address.rsplit(':', 1)[1]}.log"
-        )
-        text = path.read_text(errors="replace") if path.exists() else ""
+        text = swarm.log_path(address).read_text(errors="replace")
         errors = [line for line in text.splitlines() if ERROR_LINE.match(line)]
         replicas[name]["error_lines"] = errors[:20]
     result = {

@@ -61,7 +61,8 @@ def simulate(services: list[float], window: int, rule: str, jobs: int, seed: int
         if rule == "swarm":
             i = rng.choices(range(n), weights=weights)[0]
         else:
-            i = rng.choice([k for k in range(n) if weights[k] == max(weights)])
+            best = max(weights)
+            i = rng.choice([k for k in range(n) if weights[k] == best])
         free_at[i] = max(now, free_at[i]) + rng.expovariate(1 / services[i])
         at[i] += 1
         sent_to[i] += 1

@@ -252,9 +252,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
             "steps_at_samples": steps_at[name],
             # per outer step: (its inner steps, the stage's usual it was compared with);
             # equal replicas should read about 1 (swarm.outer.scale_by_steps)
-            "steps_and_usual": steps_and_usual(
-                log_dir / f"stage{stage_no}-{everyone[name].rsplit(':', 1)[1]}.log"
-            ),
+            "steps_and_usual": steps_and_usual(swarm.log_path(everyone[name])),
         }
     stages = {}
     for stage_no, members in ((1, list(stage1)), (2, list(stage2))):

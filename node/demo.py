@@ -139,6 +139,11 @@ class LocalSwarm:
     def dead(self) -> list[str]:
         return [name for name, proc, _ in self.procs if proc.poll() is not None]
 
+    def log_path(self, address: str) -> Path:
+        """The log file of the node started to listen on ``address``."""
+        name = self.procs[self.addresses.index(address)][0]
+        return self.log_dir / f"{name}.log"
+
     def log_tail(self, name: str, lines: int = 15) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
