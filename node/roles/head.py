@@ -430,7 +430,10 @@ class HeadRole:
             for batch, fut in zip(self._eval_data, futures, strict=True):
                 await self._issue(batch, attempt=1, eval_result=fut)
             limit_s = self.train.microbatch_deadline_s * self.train.max_attempts + 5.0
-            losses = await asyncio.wait_for(asyncio.gather(*futures), timeout=limit_s)
+            # not wait_for(gather(...)): cancelled at shutdown, that leaves the gather's
+            # CancelledError unread on Python 3.11, an error line (tests/test_architecture.py)
+            async with asyncio.timeout(limit_s):
+                losses = await asyncio.gather(*futures)
             loss = float(sum(losses) / len(losses))
             elapsed = time.monotonic() - self.started_s if self.started_s else 0.0
             self.evals.append(EvalPoint(self.runner.step, round(elapsed, 2), loss))
