@@ -13,6 +13,9 @@ This measures both ways side by side, on the same arrivals:
 - ``acks``: the same records, and each sender's last ack from each replica (the code as
   it is).
 
+Both with the daemon's ``train.route_cutoff`` (``--cutoff``; 0 for SWARM's draw from every
+replica), which acts on fresh acks only, so ``records`` is the same either way.
+
 The stage: ``RATES`` (samples/s: two fast, two middling, four slow replicas), 16 senders
 (the previous stage's replicas) each sending 8-sample microbatches as a Poisson stream at
 ``--load`` of the stage's capacity (0.6), 10 ms one way. Half-way through, a fast replica
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node.config import TrainConfig
 from protocol.messages import PeerRecord
 from swarm.routing import Router
 
@@ -49,6 +53,8 @@ RATES = [32.0, 32.0, 16.0, 16.0, 8.0, 8.0, 8.0, 8.0]
 SAMPLES = 8
 """Samples per microbatch."""
 SENDERS = 16
+CUTOFF = TrainConfig().route_cutoff
+"""The daemon's default: replicas more than this many times slower than the best left out."""
 ONE_WAY_S = 0.010
 SLOWED, SLOWDOWN = 0, 4.0
 """Which replica slows half-way through, and by how much."""
@@ -65,13 +71,23 @@ class Replica:
     """Microbatches sent to it after the slowdown."""
 
 
-def simulate(mode: str, period_s: float, seconds: float, load: float, seed: int) -> dict[str, Any]:
-    """One run; the arrivals and publication phases depend on ``seed`` only, not on ``mode``."""
+def simulate(
+    mode: str,
+    period_s: float,
+    seconds: float,
+    load: float,
+    seed: int,
+    cutoff: float = CUTOFF,
+) -> dict[str, Any]:
+    """One run; the arrivals and publication phases depend on ``seed`` only, not on ``mode``.
+    ``cutoff``: the routers' ``train.route_cutoff`` (0: SWARM's draw from every replica)."""
     arrivals = random.Random(seed)
     phases = random.Random(seed + 1)
     replicas = [Replica(r) for r in RATES]
     ids = [f"r{j}" for j in range(len(RATES))]
-    routers = [Router(random.Random(f"{seed}-{i}"), ban_s=10.0) for i in range(SENDERS)]
+    routers = [
+        Router(random.Random(f"{seed}-{i}"), ban_s=10.0, cutoff=cutoff) for i in range(SENDERS)
+    ]
     for router in routers:
         router.samples = SAMPLES
     records = {j: _record(ids[j], replicas[j]) for j in range(len(RATES))}
@@ -90,6 +106,7 @@ def simulate(mode: str, period_s: float, seconds: float, load: float, seed: int)
         at(phases.uniform(0, period_s), "publish", j)
     at(seconds / 2, "slow")
     waits: list[float] = []
+    stays: list[float] = []  # wait and service: what a sender's window holds the slot for
     max_queue, slowed = 0, False
     while events:
         now, _, kind, data = heapq.heappop(events)
@@ -120,7 +137,9 @@ def simulate(mode: str, period_s: float, seconds: float, load: float, seed: int)
             replicas[data].busy = False
             _serve(replicas[data], data, now, at)
         elif kind == "start":
-            waits.append(data)
+            waited, service_s = data
+            waits.append(waited)
+            stays.append(waited + service_s)
         elif kind == "publish":
             records[data] = _record(ids[data], replicas[data])
             at(now + period_s * phases.uniform(0.5, 1.5), "publish", data)
@@ -130,6 +149,7 @@ def simulate(mode: str, period_s: float, seconds: float, load: float, seed: int)
     assert slowed
     # a microbatch still waiting at the end has waited at least until then
     waits += [seconds - arrived for r in replicas for arrived, _ in r.queue]
+    stays += [seconds - arrived + SAMPLES / r.rate for r in replicas for arrived, _ in r.queue]
     after = [r.taken_after for r in replicas]
     rates_after = [r.rate for r in replicas]
     share = after[SLOWED] / max(1, sum(after))
@@ -142,6 +162,7 @@ def simulate(mode: str, period_s: float, seconds: float, load: float, seed: int)
         "microbatches": len(waits),
         "wait_mean_s": round(statistics.fmean(waits), 3),
         "wait_p95_s": round(waits[int(0.95 * (len(waits) - 1))], 3),
+        "stay_mean_s": round(statistics.fmean(stays), 3),
         "max_queue": max_queue,
         "slowed_share_after": round(share, 4),
         "slowed_capacity_share_after": round(capacity, 4),
@@ -160,7 +181,7 @@ def _serve(r: Replica, j: int, now: float, at: Any) -> None:
         return
     arrived, _ = r.queue.popleft()
     r.busy = True
-    at(now, "start", now - arrived)
+    at(now, "start", (now - arrived, SAMPLES / r.rate))
     at(now + SAMPLES / r.rate, "done", j)
 
 
@@ -180,6 +201,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     for k in (
                         "wait_mean_s",
                         "wait_p95_s",
+                        "stay_mean_s",
                         "max_queue",
                         "slowed_share_after",
                         "slowed_capacity_share_after",
@@ -230,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--load", type=float, default=0.6, help="offered load / the stage's first capacity"
     )
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument(
+        "--cutoff", type=float, default=CUTOFF, help="train.route_cutoff (0: SWARM's draw)"
+    )
     p.add_argument("--quick", action="store_true", help="two periods, 200 s, one seed")
     p.add_argument("--out", type=Path, default=RESULTS / "routing_freshness.json")
     args = p.parse_args(argv)
@@ -241,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for period_s in periods:
         for seed in seeds:
             for mode in MODES:
-                row = simulate(mode, period_s, args.seconds, args.load, seed)
+                row = simulate(mode, period_s, args.seconds, args.load, seed, args.cutoff)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     result: dict[str, Any] = {
@@ -251,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "senders": SENDERS,
             "one_way_s": ONE_WAY_S,
             "load": args.load,
+            "cutoff": args.cutoff,
             "seconds": args.seconds,
             "slowed": {"replica": SLOWED, "by": SLOWDOWN, "at_s": args.seconds / 2},
             "seeds": seeds,
@@ -264,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in result["summary"]:
         print(
             f"records every {r['period_s']:>6g} s, {r['mode']:>7}: wait {r['wait_mean_s']:.2f} s "
-            f"(p95 {r['wait_p95_s']:.2f}), longest queue {r['max_queue']:g}, slowed replica "
+            f"(p95 {r['wait_p95_s']:.2f}; with service {r['stay_mean_s']:.2f} s), longest queue "
+            f"{r['max_queue']:g}, slowed replica "
             f"{r['slowed_share_after']:.1%} of the work for {r['slowed_capacity_share_after']:.1%}"
             " of the capacity"
         )

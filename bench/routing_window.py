@@ -1,30 +1,32 @@
 """SWARM's hop draw under a bounded window: what a slow replica and the draw itself cost.
 
-A head keeps ``window`` microbatches in flight (``train.max_in_flight``) and sends each to
-one replica of the next stage. Here the stage is a set of FIFO servers with exponential
-service times (the fast ones 1, one slow replica ``slow`` times longer), the head and the
-network cost nothing, and each finished microbatch is at once replaced by a new one, so the
-figure is the stage's throughput in microbatches per fast service time. Two ways to choose:
+Each of ``senders`` heads keeps ``window`` microbatches in flight (``train.max_in_flight``)
+and sends each to one replica of the next stage. Here the stage is a set of FIFO servers
+with exponential service times (the fast ones 1, one slow replica ``slow`` times longer),
+the heads and the network cost nothing, and each finished microbatch is at once replaced by
+a new one from the same head, so the figure is the stage's throughput in microbatches per
+fast service time. Each head has its own router figures: a replica's queue as the ack of
+that head's last microbatch there said (every head's jobs included), drained at its rate
+since, so with several heads the figures of a replica miss what the other heads sent it
+since. Three ways to choose, all from ``swarm.routing.route_weights`` itself:
 
-- ``swarm``: the daemon's rule, ``swarm.routing.route_weights`` itself, fed what the
-  daemon's router is told: each microbatch's ack, here at once (the network costs nothing),
-  carries the replica's jobs queued or running with it included and its service rate, and
-  the router drains that queue at that rate until the next ack; a draw with a seeded
-  ``random.Random`` in proportion to the weights;
-- ``least``: the largest of the same weights (a tie drawn at random): the same figures,
-  no weighted draw.
+- ``swarm``: SWARM's rule, a draw with a seeded ``random.Random`` in proportion to the
+  weights;
+- ``least``: the largest weight (a tie drawn at random): no draw;
+- ``cut2``: the daemon's default, the draw after ``swarm.routing.cut_weights`` left out the
+  replicas expected to take more than twice as long as the best (rechecked after
+  ``RECHECK`` fast service times).
 
 The question the live ``bench/devices.py`` run raised: a CPU replica 17 times slower than
-two GPU replicas beside it left the head at 70 % of the all-GPU rate. If the rule under a
-window of six were the cause, this would show it. It also shows what the random draw costs
-against the least-loaded choice at small windows (a thin uplink runs at two in flight),
-which SWARM accepts so that many senders with stale figures do not herd onto one replica
-(SWARM Parallelism, Ryabinin et al., ICML 2023, section 3.2): a single sender with exact
-figures, as here, is where the draw looks worst.
+two GPU replicas beside it left the head at 70 % of the all-GPU rate. This shows what the
+draw costs there, at small windows most (a thin uplink runs at two in flight); what taking
+the largest weight costs where several heads act on stale figures and herd onto one
+replica (SWARM Parallelism, Ryabinin et al., ICML 2023, section 3.2, the reason for the
+draw); and whether the cut keeps the best of both.
 
 Writes ``bench/results/<--name>.json`` and ``.png`` (``routing_window``). Usage:
-``python -m bench.routing_window [--jobs 100000] [--windows 1 2 4 6 8 16]
-[--slow 1 2 5 17]``; under a minute.
+``python -m bench.routing_window [--jobs 50000] [--senders 1 4] [--windows 1 2 4 6 8 16]
+[--slow 1 2 5 17]``; a few minutes.
 """
 
 from __future__ import annotations
@@ -36,49 +38,75 @@ from typing import Any
 
 from bench import add_output_args, save
 from protocol.messages import PeerRecord
-from swarm.routing import PeerStats, route_weights
+from swarm.routing import PeerStats, cut_weights, route_weights
 
-RULES = ("swarm", "least")
+RULES = ("swarm", "least", "cut2")
+CUT = {"cut2": 2.0}
+"""``cutK``: the daemon's default, ``swarm.routing.cut_weights`` with cutoff K: the draw
+among the replicas whose expected time to finish our microbatch is at most K times the
+best one's."""
+RECHECK = 150.0
+"""``cut_weights``' recheck in fast service times: the daemon's ``RECHECK_S`` (30 s) at
+0.2 s a job. At 50 (10 s) eight senders of one in flight each recheck a replica 17 times
+slower so often that it costs more than the draw (0.83 against 0.86 of the fast pair)."""
 
 
-def simulate(services: list[float], window: int, rule: str, jobs: int, seed: int) -> dict[str, Any]:
-    """``jobs`` microbatches through servers of mean service times ``services`` with
-    ``window`` in flight, chosen by ``rule``: throughput (jobs per unit time), each
-    server's share of the jobs, and the mean time a job spent in the stage."""
+def choose(
+    records: list[PeerRecord],
+    stats: dict[str, PeerStats],
+    now: float,
+    rule: str,
+    rng: random.Random,
+) -> int:
+    """The replica ``rule`` picks, from ``route_weights``' figures."""
+    weights = route_weights(records, stats, now)
+    if rule == "least":
+        best = max(weights)
+        return rng.choice([k for k, w in enumerate(weights) if w == best])
+    if rule in CUT:
+        weights = cut_weights(records, stats, weights, now, CUT[rule], RECHECK)
+    return rng.choices(range(len(weights)), weights=weights)[0]
+
+
+def simulate(
+    services: list[float], window: int, rule: str, jobs: int, seed: int, senders: int = 1
+) -> dict[str, Any]:
+    """``jobs`` microbatches through servers of mean service times ``services`` from
+    ``senders`` heads with ``window`` in flight each, every head choosing by ``rule`` from
+    its own figures: throughput (jobs per unit time), each server's share of the jobs, and
+    the mean time a job spent in the stage. A head hears a replica's queue only in the acks
+    of its own microbatches, so with several heads its figure for a replica it has not sent
+    to lately misses what the others sent there since."""
     rng = random.Random(seed)
     n = len(services)
     records = [
         PeerRecord(f"r{i}", "", 1, throughput=1 / s, ready=True) for i, s in enumerate(services)
     ]
-    stats = {r.peer_id: PeerStats() for r in records}
-    at = [0] * n  # our jobs at each server, queued or running
+    stats = [{r.peer_id: PeerStats() for r in records} for _ in range(senders)]
+    at = [0] * n  # jobs at each server, queued or running, every head's
     free_at = [0.0] * n  # when each server has finished what it holds
-    done: list[tuple[float, int, float]] = []  # (finish, server, sent) heap
+    done: list[tuple[float, int, int, float]] = []  # (finish, server, head, sent) heap
     sent_to = [0] * n
 
-    def send(now: float) -> None:
-        weights = route_weights(records, stats, now)
-        if rule == "swarm":
-            i = rng.choices(range(n), weights=weights)[0]
-        else:
-            best = max(weights)
-            i = rng.choice([k for k in range(n) if weights[k] == best])
+    def send(now: float, head: int) -> None:
+        i = choose(records, stats[head], now, rule, rng)
         free_at[i] = max(now, free_at[i]) + rng.expovariate(1 / services[i])
         at[i] += 1
         sent_to[i] += 1
-        ack = stats[records[i].peer_id]  # what its ack says, at once: no transfer time
+        ack = stats[head][records[i].peer_id]  # its ack, at once: no transfer time
         ack.queue, ack.queue_s, ack.rate = at[i], now, 1 / services[i]
-        heapq.heappush(done, (free_at[i], i, now))
+        heapq.heappush(done, (free_at[i], i, head, now))
 
     for _ in range(window):
-        send(0.0)
+        for head in range(senders):
+            send(0.0, head)
     now, finished, time_in_stage = 0.0, 0, 0.0
     while finished < jobs:
-        now, i, sent = heapq.heappop(done)
+        now, i, head, sent = heapq.heappop(done)
         at[i] -= 1
         finished += 1
         time_in_stage += now - sent
-        send(now)  # the router hears nothing of a finish: the result goes on down the line
+        send(now, head)  # the router hears nothing of a finish: the result goes on down the line
     return {
         "throughput": finished / now,
         "shares": [k / sum(sent_to) for k in sent_to],
@@ -87,31 +115,46 @@ def simulate(services: list[float], window: int, rule: str, jobs: int, seed: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Each window and slowness: each rule with the fast two alone and with the slow third
-    beside them (the same seed)."""
+    """Each number of heads, window and slowness: each rule with the fast two alone and with
+    the slow third beside them (the same seed)."""
     rows = []
-    for window in args.windows:
-        for slow in args.slow:
-            row: dict[str, Any] = {"window": window, "slow": slow, "capacity": 2 + 1 / slow}
-            for rule in RULES:
-                alone = simulate([1.0, 1.0], window, rule, args.jobs, args.seed)
-                beside = simulate([1.0, 1.0, float(slow)], window, rule, args.jobs, args.seed)
-                row[rule] = {
-                    **beside,
-                    "fast_alone": alone["throughput"],
-                    "over_fast_alone": beside["throughput"] / alone["throughput"],
-                }
-            rows.append(row)
-            sw, least = row["swarm"], row["least"]
-            print(
-                f"window {window:2d}, third replica {slow:2g}x slower: swarm "
-                f"{sw['fast_alone']:.3f} -> {sw['throughput']:.3f} ({sw['over_fast_alone']:.2f}x,"
-                f" {sw['shares'][2]:.1%} to it), least {least['fast_alone']:.3f} -> "
-                f"{least['throughput']:.3f} ({least['over_fast_alone']:.2f}x); capacity "
-                f"{row['capacity']:.3f}",
-                flush=True,
-            )
+    for senders in args.senders:
+        for window in args.windows:
+            for slow in args.slow:
+                rows.append(row(senders, window, slow, args.jobs, args.seed))
     return {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
+
+
+def row(senders: int, window: int, slow: float, jobs: int, seed: int) -> dict[str, Any]:
+    """One configuration under every rule, printed as it ends."""
+    got: dict[str, Any] = {
+        "senders": senders,
+        "window": window,
+        "slow": slow,
+        "capacity": 2 + 1 / slow,
+    }
+    for rule in RULES:
+        alone = simulate([1.0, 1.0], window, rule, jobs, seed, senders)
+        beside = simulate([1.0, 1.0, float(slow)], window, rule, jobs, seed, senders)
+        got[rule] = {
+            **beside,
+            "fast_alone": alone["throughput"],
+            "over_fast_alone": beside["throughput"] / alone["throughput"],
+        }
+    each = ", ".join(
+        f"{rule} {got[rule]['throughput']:.3f} ({got[rule]['over_fast_alone']:.2f}x, "
+        f"{got[rule]['shares'][2]:.1%} to it)"
+        for rule in RULES
+    )
+    print(
+        f"{senders} head(s) x {window:2d} in flight, third replica {slow:2g}x slower: {each}; "
+        f"capacity {got['capacity']:.3f}",
+        flush=True,
+    )
+    return got
+
+
+STYLES = {"swarm": ("o-", "SWARM draw"), "least": ("s--", "largest"), "cut2": ("^-", "cut at 2x")}
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
@@ -122,22 +165,36 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
     rows = result["rows"]
     slows = sorted({r["slow"] for r in rows})
-    fig, axes = plt.subplots(1, len(slows), figsize=(3.2 * len(slows), 3.4), sharey=True)
-    for ax, slow in zip(axes if len(slows) > 1 else [axes], slows, strict=True):
-        mine = [r for r in rows if r["slow"] == slow]
-        windows = [r["window"] for r in mine]
-        for rule, style, label in (("swarm", "o-", "SWARM draw"), ("least", "s--", "largest")):
-            got = [r[rule]["throughput"] for r in mine]
-            line = ax.plot(windows, got, style, label=f"{label}, slow third beside")[0]
-            alone = [r[rule]["fast_alone"] for r in mine]
-            ax.plot(windows, alone, ":", color=line.get_color(), label=f"{label}, fast two alone")
-        ax.axhline(2 + 1 / slow, color="grey", lw=0.8, label="capacity")
-        ax.set_title(f"third replica {slow:g}x slower", fontsize=9)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("microbatches in flight")
-    axes_list = axes if len(slows) > 1 else [axes]
-    axes_list[0].set_ylabel("microbatches per fast service time")
-    axes_list[0].legend(fontsize=7)
+    heads = sorted({r.get("senders", 1) for r in rows})
+    fig, axes = plt.subplots(
+        len(heads),
+        len(slows),
+        figsize=(3.2 * len(slows), 3.0 * len(heads) + 0.4),
+        sharey=True,
+        squeeze=False,
+    )
+    for axes_row, senders in zip(axes, heads, strict=True):
+        for ax, slow in zip(axes_row, slows, strict=True):
+            mine = [r for r in rows if r["slow"] == slow and r.get("senders", 1) == senders]
+            windows = [r["window"] for r in mine]
+            for rule in RULES:
+                if rule not in mine[0]:
+                    continue
+                style, label = STYLES[rule]
+                ax.plot(windows, [r[rule]["throughput"] for r in mine], style, label=label)
+            ax.plot(
+                windows,
+                [r["swarm"]["fast_alone"] for r in mine],
+                ":",
+                color="grey",
+                label="SWARM draw, fast two alone",
+            )
+            ax.axhline(2 + 1 / slow, color="grey", lw=0.8, label="capacity")
+            ax.set_title(f"{senders} head(s), third {slow:g}x slower", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("microbatches in flight per head")
+        axes_row[0].set_ylabel("microbatches per fast service time")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -145,9 +202,10 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--jobs", type=int, default=100_000, help="microbatches a configuration")
+    p.add_argument("--jobs", type=int, default=50_000, help="microbatches a configuration")
     p.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
     p.add_argument("--slow", type=float, nargs="+", default=[1.0, 2.0, 5.0, 17.0])
+    p.add_argument("--senders", type=int, nargs="+", default=[1, 4], help="heads sending")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p, "routing_window")
     args = p.parse_args(argv)

@@ -213,6 +213,10 @@ class TrainConfig:
     """Jobs a node accepts before it answers "busy" (memory bound)."""
     hop_timeout_s: float = 10.0
     """Deadline for a peer to accept one hop."""
+    route_cutoff: float = 2.0
+    """A next-stage replica expected to take more than this many times as long as the best
+    to finish a microbatch is left out of the hop draw (``swarm.routing.cut_weights``, our
+    departure from SWARM); 0 draws from every replica, as SWARM does."""
     hop_retries: int = 3
     """Other replicas tried when a hop fails, before the microbatch is dropped at that hop."""
     microbatch_deadline_s: float = 30.0
@@ -583,6 +587,10 @@ def _validate(c: Config) -> None:
         raise ValueError(f"recovery.lr_boost_steps must be >= 0, got {c.recovery.lr_boost_steps}")
     if c.train.slowdown < 1:
         raise ValueError(f"train.slowdown must be at least 1, got {c.train.slowdown}")
+    if not (c.train.route_cutoff == 0 or c.train.route_cutoff >= 1):
+        raise ValueError(
+            f"train.route_cutoff must be 0 (SWARM's draw) or at least 1, got {c.train.route_cutoff}"
+        )
     if c.sync.round_s < 0:
         raise ValueError(f"sync.round_s must be 0 (derived) or positive, got {c.sync.round_s}")
     if not c.sync.min_link_mbps >= 0:

@@ -105,7 +105,9 @@ class Node:
         )
         self.table = PeerTable(self.peer_id, members.ttl_s, members.max_peers, scope=scope)
         # a failed peer that spoke to us in the last two heartbeats is alive (Router.unresponsive)
-        self.router = Router(self.rng, silent_s=2 * members.heartbeat_s)
+        self.router = Router(
+            self.rng, silent_s=2 * members.heartbeat_s, cutoff=config.train.route_cutoff
+        )
         self.router.samples = float(config.data.batch_size)
         self.membership = MembershipService(
             config.membership,

@@ -29,6 +29,20 @@ faster ones get proportionally more work. A replica that cannot be dialled and i
 through a relay (``PeerRecord.relays``) is chosen half as often as an equal direct one until
 its hop time, relay included, is measured.
 
+**Our departure: far slower replicas are left out of the draw** (``cut_weights``). A replica
+whose expected time to finish our microbatch is more than ``cutoff`` times the best
+candidate's (2 by default, ``train.route_cutoff``; 0 keeps SWARM's draw) is not drawn while
+its figures are fresh. Why: a sender keeps a bounded window of microbatches in flight, and
+one drawn to a replica 17 times slower holds its slot 17 times as long; SWARM's draw sends
+it about 3 % of them, which costs a quarter of the fast pair's rate at two in flight and 8 %
+at six (``bench/routing_window.py``, the daemon's own weights under a window). Among the
+replicas kept the draw stays proportional, so senders acting on the same stale figures
+still spread (taking only the largest weight herds: 1.67 against the draw's 1.96 there with
+eight senders of one in flight each). A replica left out is not sent to, so its figures age;
+once they are older than ``RECHECK_S`` it is drawn again by its weight, and its next
+acknowledgement tells whether it is still slow (a replica that sped up is not shunned for
+good). Replicas no more than ``cutoff`` times slower are drawn as SWARM draws them.
+
 Pure policy: callers pass ``now`` and a seeded ``random.Random``.
 """
 
@@ -39,6 +53,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from protocol.messages import PeerRecord
+
+RECHECK_S = 30.0
+"""Seconds after its last acknowledgement to us that a replica ``cut_weights`` leaves out
+is drawn by its weight again, so that figures we stopped refreshing are checked."""
 
 RELAY_PENALTY = 2.0
 """How much less often a replica reached through a relay is chosen than an equal one reached
@@ -112,6 +130,30 @@ def route_weights(
     return weights
 
 
+def cut_weights(
+    candidates: Sequence[PeerRecord],
+    stats: dict[str, PeerStats],
+    weights: Sequence[float],
+    now: float,
+    cutoff: float,
+    recheck_s: float = RECHECK_S,
+) -> list[float]:
+    """``weights`` (``route_weights``' figures for ``candidates``) with each candidate set to
+    0 whose weight is below the largest over ``cutoff`` (its expected time to finish our
+    microbatch more than ``cutoff`` times the best one's) while its acknowledged figures are
+    at most ``recheck_s`` old. ``cutoff`` 0: unchanged, SWARM's draw. The best candidate is
+    never left out, nor one we have no acknowledgement from (its weight is optimistic)."""
+    if cutoff <= 0 or not weights:
+        return list(weights)
+    floor = max(weights) / cutoff
+    out = []
+    for c, w in zip(candidates, weights, strict=True):
+        s = stats.get(c.peer_id)
+        fresh = s is not None and s.queue_s is not None and now - s.queue_s <= recheck_s
+        out.append(0.0 if fresh and w < floor else w)
+    return out
+
+
 def _rate(c: PeerRecord, s: PeerStats | None) -> float:
     """The candidate's compute rate: as its last ack said, else as its record says."""
     return s.rate if s is not None and s.rate > 0 else c.throughput
@@ -130,9 +172,17 @@ class Router:
     """Keeps per-peer observations and draws next hops."""
 
     def __init__(
-        self, rng: random.Random, ban_s: float = 10.0, ema: float = 0.3, silent_s: float = 2.0
+        self,
+        rng: random.Random,
+        ban_s: float = 10.0,
+        ema: float = 0.3,
+        silent_s: float = 2.0,
+        cutoff: float = 0.0,
     ) -> None:
         self.rng = rng
+        self.cutoff = cutoff
+        """Replicas this many times slower than the best are left out (``cut_weights``; 0:
+        SWARM's draw)."""
         self.ban_s = ban_s
         self.ema = ema
         self.silent_s = silent_s
@@ -147,7 +197,8 @@ class Router:
     def choose(
         self, candidates: Sequence[PeerRecord], now: float, exclude: Collection[str] = ()
     ) -> PeerRecord | None:
-        """A weighted random candidate not in ``exclude``; ``None`` if none is usable.
+        """A weighted random candidate not in ``exclude``, far slower ones left out
+        (``cut_weights``); ``None`` if none is usable.
 
         When every remaining candidate is banned, the least recently banned one is tried
         rather than giving up: a swarm with one replica per stage must retry it.
@@ -156,6 +207,7 @@ class Router:
         if not pool:
             return None
         weights = route_weights(pool, self.stats, now, self.here, self.samples)
+        weights = cut_weights(pool, self.stats, weights, now, self.cutoff)
         if sum(weights) <= 0:
             return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
         return self.rng.choices(pool, weights=weights, k=1)[0]

@@ -43,6 +43,7 @@ def test_model_preset_then_overrides(tmp_path: Path) -> None:
         ({"net.listen": "nope"}, "HOST:PORT"),
         ({"swarm.model": "huge"}, "huge"),
         ({"train.wire_codec": "zip"}, "wire_codec"),
+        ({"train.route_cutoff": "0.5"}, "route_cutoff must be 0"),
     ],
 )
 def test_clear_errors(overrides: dict[str, str], message: str) -> None:

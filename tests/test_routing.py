@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from protocol.messages import PeerRecord
-from swarm.routing import PeerStats, Router, route_weights
+from swarm.routing import RECHECK_S, PeerStats, Router, cut_weights, route_weights
 
 
 def rec(pid: str, throughput: float = 0.0, queue: int = 0) -> PeerRecord:
@@ -170,3 +170,85 @@ def test_an_acked_queue_drains_at_the_replicas_rate() -> None:
 def test_a_queue_from_an_ack_stands_in_for_the_record_only_once_said() -> None:
     stats = {"a": PeerStats(rate=20.0)}  # a rate said, no queue: the record's queue stands
     assert route_weights([rec("a", 10.0, queue=3)], stats, now=0.0) == pytest.approx([5.0])
+
+
+def acked(queue: int, rate: float, at: float) -> PeerStats:
+    """What a replica's acknowledgement at ``at`` told us."""
+    return PeerStats(queue=queue, queue_s=at, rate=rate)
+
+
+def test_the_cut_leaves_out_replicas_more_than_cutoff_times_slower_than_the_best() -> None:
+    """One-sample microbatches. a: 10 samples/s, 1 job queued, so ours ends in 0.2 s; b: 10
+    samples/s, 3 queued, 0.4 s (twice a's: kept, the boundary); c: 2 samples/s, idle, 0.5 s
+    (2.5 times a's: left out); d: 4 samples/s, idle, 0.25 s. Cutoff 2: a, b, d drawn."""
+    peers = [rec(p, 1.0) for p in "abcd"]
+    stats = {
+        "a": acked(1, 10.0, 0.0),
+        "b": acked(3, 10.0, 0.0),
+        "c": acked(0, 2.0, 0.0),
+        "d": acked(0, 4.0, 0.0),
+    }
+    weights = route_weights(peers, stats, now=0.0)
+    assert weights == pytest.approx([5.0, 2.5, 2.0, 4.0])
+    finish_s = {p: 1 / w for p, w in zip("abcd", weights, strict=True)}
+    # an independent statement: kept iff its time is at most cutoff x the best time
+    for cutoff in (1.0, 1.25, 2.0, 2.5, 3.0):
+        cut = cut_weights(peers, stats, weights, now=0.0, cutoff=cutoff)
+        kept = {p for p, w in zip("abcd", cut, strict=True) if w > 0}
+        best_s = min(finish_s.values())
+        assert kept == {p for p, t in finish_s.items() if t <= cutoff * best_s + 1e-12}
+        kept_weights = [w for p, w in zip("abcd", weights, strict=True) if p in kept]
+        assert [w for w in cut if w > 0] == kept_weights
+    assert cut_weights(peers, stats, weights, now=0.0, cutoff=2.0) == pytest.approx(
+        [5.0, 2.5, 0.0, 4.0]
+    )
+
+
+def test_the_cut_off_leaves_swarms_draw_as_it_is() -> None:
+    peers = [rec("a"), rec("b")]
+    stats = {"a": acked(0, 100.0, 0.0), "b": acked(0, 1.0, 0.0)}
+    weights = route_weights(peers, stats, now=0.0)
+    assert cut_weights(peers, stats, weights, now=0.0, cutoff=0.0) == weights
+
+
+def test_only_fresh_figures_leave_a_replica_out() -> None:
+    """b is 10 times slower. With no acknowledgement from it (its record's figures, or the
+    optimism for a stranger) it is drawn by its weight; likewise once its last one is older
+    than RECHECK_S, so that a replica that sped up is found again."""
+    peers = [rec("a"), rec("b", 1.0)]
+    fresh = {"a": acked(0, 10.0, 0.0), "b": acked(0, 1.0, 0.0)}
+    unacked = {"a": acked(0, 10.0, 0.0), "b": PeerStats()}
+    for stats, now, kept in (
+        (fresh, 0.0, False),
+        (fresh, RECHECK_S, False),
+        (fresh, RECHECK_S + 0.1, True),
+        (unacked, 0.0, True),
+    ):
+        weights = route_weights(peers, stats, now)
+        assert (cut_weights(peers, stats, weights, now, cutoff=2.0)[1] > 0) is kept
+
+
+def test_a_router_with_a_cutoff_never_draws_a_far_slower_replica_while_it_knows() -> None:
+    peers = [rec("fast-a"), rec("fast-b"), rec("slow")]
+    draws = {}
+    for cutoff in (0.0, 2.0):
+        r = Router(random.Random(5), cutoff=cutoff)
+        for pid, rate in (("fast-a", 17.0), ("fast-b", 17.0), ("slow", 1.0)):
+            r.started(pid)
+            r.finished(pid, True, 0.0, 0.01, queue=0, rate=rate)
+        chosen = [r.choose(peers, 1.0) for _ in range(6000)]
+        draws[cutoff] = Counter(c.peer_id for c in chosen if c is not None)
+    # SWARM's draw: 1 / (17 + 17 + 1) of them to the slow one; the cut: none
+    assert draws[0.0]["slow"] / 6000 == pytest.approx(1 / 35, abs=0.01)
+    assert draws[2.0]["slow"] == 0
+    assert draws[2.0]["fast-a"] / 6000 == pytest.approx(0.5, abs=0.03)
+    # once its figures are old it is drawn by its weight again
+    r = Router(random.Random(5), cutoff=2.0)
+    r.started("slow")
+    r.finished("slow", True, 0.0, 0.01, queue=0, rate=1.0)
+    for pid in ("fast-a", "fast-b"):
+        r.started(pid)
+        r.finished(pid, True, RECHECK_S + 1, 0.01, queue=0, rate=17.0)
+    chosen = [r.choose(peers, RECHECK_S + 1) for _ in range(6000)]
+    later = Counter(c.peer_id for c in chosen if c is not None)
+    assert later["slow"] / 6000 == pytest.approx(1 / 35, abs=0.01)
