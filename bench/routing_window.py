@@ -13,7 +13,7 @@ since. Three ways to choose, all from ``swarm.routing.route_weights`` itself:
 - ``swarm``: SWARM's rule, a draw with a seeded ``random.Random`` in proportion to the
   weights;
 - ``least``: the largest weight (a tie drawn at random): no draw;
-- ``cut2``: the daemon's default, the draw after ``swarm.routing.cut_weights`` left out the
+- ``cut2``: ``train.route_cutoff = 2``, the draw after ``swarm.routing.cut_weights`` left out the
   replicas expected to take more than twice as long as the best (rechecked after
   ``RECHECK`` fast service times).
 
@@ -42,7 +42,7 @@ from swarm.routing import PeerStats, cut_weights, route_weights
 
 RULES = ("swarm", "least", "cut2")
 CUT = {"cut2": 2.0}
-"""``cutK``: the daemon's default, ``swarm.routing.cut_weights`` with cutoff K: the draw
+"""``cutK``: ``train.route_cutoff = K``, ``swarm.routing.cut_weights`` itself: the draw
 among the replicas whose expected time to finish our microbatch is at most K times the
 best one's."""
 RECHECK = 150.0

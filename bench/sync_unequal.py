@@ -27,6 +27,10 @@ outer schedule (``sync.schedule``):
   A round counts as met when it all-reduced; every round leaves the stage one copy of the
   slow weights, so there is no spread to compare, and the figure is how far apart the
   replicas' places in the schedule end.
+- ``clock_cut``: the clock schedule with replicas expected to take more than twice as long
+  as the best left out of each hop's draw (``train.route_cutoff = 2``,
+  ``swarm.routing.cut_weights``; the default draws from every replica, as SWARM does),
+  which sends the slow replicas fewer microbatches.
 - ``clock_equal``: the clock schedule with no replica slowed, stage 1's four as equal as
   stage 2's. The spread ratio compares two stages at different depths of the model, so it
   need not read 1 with equal replicas in both; this is what it reads with none unequal.
@@ -45,7 +49,8 @@ every replica, the fast replicas not held to the slowest one's pace, and stage 1
 at most 2x stage 2's.
 
 Writes ``bench/results/sync_unequal.json`` and ``sync_unequal.png``.
-Usage: ``python -m bench.sync_unequal [--minutes 10] [--round-s 64] [--schedules clock,clock]``
+Usage: ``python -m bench.sync_unequal [--minutes 10] [--round-s 64] [--schedules clock,clock]
+[--set node.device=cuda]``
 (a variant named twice runs twice); ``--quick`` for the few-minute version the tests run.
 """
 
@@ -68,6 +73,7 @@ import torch
 from bench import add_output_args, save
 from bench.convergence_sim import distances_from_mean
 from node.client import fetch_status, request_eval
+from node.config import parse_sets
 from node.demo import LocalSwarm, wait_ready
 from node.stage.export import fetch_stage_state
 
@@ -85,6 +91,7 @@ VARIANTS = {
         "sync.diloco_share_schedule": "true",
     },
     "clock_equal": {"sync.schedule": "clock"},
+    "clock_cut": {"sync.schedule": "clock", "train.route_cutoff": "2"},
 }
 """What is compared (see the module docstring): by default the H-step rule, the clock
 schedule, and the clock schedule without pseudo-gradients on one scale; the rest on
@@ -123,7 +130,7 @@ def settings(args: argparse.Namespace, variant: str) -> dict[str, str]:
     }
     if args.round_s:
         out["sync.round_s"] = str(args.round_s)
-    return out
+    return {**out, **parse_sets(args.set)}
 
 
 def slowdowns(schedule: str) -> dict[str, int]:
@@ -405,6 +412,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=8)
     p.add_argument("--sample-s", type=float, default=60.0, help="seconds between spread samples")
     p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a setting for every node over the benchmark's (e.g. node.device=cuda)",
+    )
     add_output_args(p, "sync_unequal")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out")
     args = p.parse_args(argv)

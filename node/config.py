@@ -213,10 +213,13 @@ class TrainConfig:
     """Jobs a node accepts before it answers "busy" (memory bound)."""
     hop_timeout_s: float = 10.0
     """Deadline for a peer to accept one hop."""
-    route_cutoff: float = 2.0
+    route_cutoff: float = 0.0
     """A next-stage replica expected to take more than this many times as long as the best
     to finish a microbatch is left out of the hop draw (``swarm.routing.cut_weights``, our
-    departure from SWARM); 0 draws from every replica, as SWARM does."""
+    departure from SWARM; 2 is the value measured). 0, the default: every replica drawn, as
+    SWARM draws them. Off by default because a live pair of ten-minute runs of
+    ``bench.sync_unequal`` had the unequal stage spread 2.69x the equal one with it (the
+    4x-slow replica took half its inner steps) against 0.98x without."""
     hop_retries: int = 3
     """Other replicas tried when a hop fails, before the microbatch is dropped at that hop."""
     microbatch_deadline_s: float = 30.0

@@ -91,3 +91,13 @@ def test_the_null_variant_slows_no_replica_and_the_others_keep_theirs() -> None:
         assert slowdowns(variant) == SPEEDS
     args = parse_args([])
     assert settings(args, "clock_equal") == settings(args, "clock")
+
+
+def test_a_setting_given_on_the_command_line_reaches_every_node_over_the_variants() -> None:
+    from bench.sync_unequal import parse_args, settings
+
+    args = parse_args(["--set", "node.device=cuda", "--set", "sync.hold_s=3"])
+    got = settings(args, "clock_cut")
+    assert got["node.device"] == "cuda" and got["sync.hold_s"] == "3"
+    assert got["train.route_cutoff"] == "2" and got["sync.schedule"] == "clock"
+    assert "train.route_cutoff" not in settings(args, "clock")  # the daemon's default
