@@ -54,7 +54,7 @@ SAMPLES = 8
 """Samples per microbatch."""
 SENDERS = 16
 CUTOFF = TrainConfig().route_cutoff
-"""The daemon's default: replicas more than this many times slower than the best left out."""
+"""The daemon's default ``train.route_cutoff`` (0: SWARM's draw from every replica)."""
 ONE_WAY_S = 0.010
 SLOWED, SLOWDOWN = 0, 4.0
 """Which replica slows half-way through, and by how much."""
