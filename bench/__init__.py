@@ -12,6 +12,14 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 
 
+def add_set_arg(p: argparse.ArgumentParser, help: str, dest: str = "set") -> None:
+    """``--set SECTION.FIELD=VALUE`` (repeatable): a setting ``node join --set`` takes, given
+    to every node of the benchmark (``node.config.parse_sets`` reads the list)."""
+    p.add_argument(
+        "--set", action="append", default=[], dest=dest, metavar="SECTION.FIELD=VALUE", help=help
+    )
+
+
 def add_output_args(p: argparse.ArgumentParser, stem: str) -> None:
     """Where a benchmark writes: ``--out`` (a folder), ``--name`` (the files' stem) and
     ``--no-plot`` (JSON only)."""

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from bench import add_set_arg
 from bench.convergence_sim import Curve, simulate
 from node.client import fetch_status, request_eval
 from node.config import TrainConfig, parse_sets, resolve_config
@@ -298,13 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="model preset")
     p.add_argument("--outer-steps", type=int, default=50, help="H (NoLoCo's default: 50)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the simulation")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="sets",
-        metavar="SECTION.FIELD=VALUE",
-        help="a setting over the study's (as node join's --set), for a diagnostic run",
+    add_set_arg(
+        p, "a setting over the study's (as node join's --set), for a diagnostic run", "sets"
     )
     p.add_argument("--min-gap", type=float, default=0.03, help="independent vs DP gap needed")
     p.add_argument("--check", action="store_true", help="also the check against the live swarm")

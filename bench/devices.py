@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import add_output_args, save
+from bench import add_output_args, add_set_arg, save
 from bench.convergence_sim import distances_from_mean
 from bench.sync_unequal import slow_weights, to_mid_round
 from node.client import fetch_status
@@ -168,13 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--round-s", type=float, default=20.0, help="sync.round_s (the clock grid)")
     p.add_argument("--slowdown", type=float, default=16.0, help="how much slower under slowed")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="a setting for every node (train.window=fixed, say)",
-    )
+    add_set_arg(p, "a setting for every node (train.window=fixed, say)")
     add_output_args(p, "devices")
     return p.parse_args(argv)
 

@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench import add_set_arg
 from node.client import fetch_status
 from node.config import parse_sets
 from node.demo import LocalSwarm, wait_ready
@@ -324,13 +325,7 @@ def main() -> None:
         "--summary", nargs="+", metavar="NAME", help="compare the named runs in one figure"
     )
     p.add_argument("--targets", default="2.5,2.3,2.2", help="eval losses the summary times")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="a setting of every node, e.g. recovery.lr_boost_steps=100 (repeatable)",
-    )
+    add_set_arg(p, "a setting of every node, e.g. recovery.lr_boost_steps=100 (repeatable)")
     args = p.parse_args()
     if args.p is None:
         args.p = (10.0 if args.per_hour is None else args.per_hour) * P_PER_PERCENT_HOUR

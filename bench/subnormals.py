@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench import add_output_args, save
+from bench import add_output_args, add_set_arg, save
 from bench.convergence_sim import SimulatedSwarm
 from node.config import parse_sets, resolve_config
 
@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="replicas per stage")
     p.add_argument("--in-flight", type=int, default=6, help="microbatches in flight per head")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    add_set_arg(p, "a setting over the benchmark's", "sets")
     p.add_argument("--quick", action="store_true", help="seconds: the tests' version")
     add_output_args(p, "subnormals")
     args = p.parse_args(argv)

@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from bench import add_output_args, save
+from bench import add_output_args, add_set_arg, save
 from bench.convergence_sim import distances_from_mean
 from node.client import fetch_status, request_eval
 from node.config import parse_sets
@@ -412,13 +412,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=8)
     p.add_argument("--sample-s", type=float, default=60.0, help="seconds between spread samples")
     p.add_argument("--quick", action="store_true", help="a few minutes, small H: the test's")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="a setting for every node over the benchmark's (e.g. node.device=cuda)",
-    )
+    add_set_arg(p, "a setting for every node over the benchmark's (e.g. node.device=cuda)")
     add_output_args(p, "sync_unequal")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON in --out")
     args = p.parse_args(argv)

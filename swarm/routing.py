@@ -210,7 +210,8 @@ class Router:
         if not pool:
             return None
         weights = route_weights(pool, self.stats, now, self.here, self.samples)
-        weights = cut_weights(pool, self.stats, weights, now, self.cutoff)
+        if self.cutoff > 0:  # off by default: SWARM's draw, no second pass per hop
+            weights = cut_weights(pool, self.stats, weights, now, self.cutoff)
         if sum(weights) <= 0:
             return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
         return self.rng.choices(pool, weights=weights, k=1)[0]
