@@ -21,14 +21,14 @@ run (``--arms``):
 
 Each trains ``--budget-s`` seconds of the head's training time with NoLoCo on the clock
 schedule (``sync.round_s``). Reported per arm: the head's eval loss at the start and the
-end, its tokens/s and its in-flight window at the end; per replica, its device, rounds
-(paired, solo) and inner steps; per block stage, the RMS distance of each replica's slow
-weights from the stage's mean, sampled in the middle of a round at the end; and every node's
-error lines and exit code. With two replicas a pair is the whole stage and NoLoCo leaves
-both with the same slow weights, so the distance says something from three on (the
-default). The check: a ``mixed`` arm that learns as the
-others do, pairs in its rounds as ``cuda`` does and keeps its replicas as close, with no
-error line. Writes ``bench/results/<--name>.json`` (``devices``); there is no figure.
+end, its tokens/s, its in-flight window at the end and the replicas its hops left out
+(``train.route_cutoff``: how many draws, and those left out at the end); per replica, its
+device, rounds (paired, solo) and inner steps; per block stage, the RMS distance of each
+replica's slow weights from the stage's mean, sampled in the middle of a round at the end;
+and every node's error lines and exit code. With two replicas a pair is the whole stage and
+NoLoCo leaves both with the same slow weights, so the distance says something from three on
+(the default). The check: a ``mixed`` arm that learns as the others do, pairs in its rounds
+as ``cuda`` does and keeps its replicas as close, with no error line. Writes ``bench/results/<--name>.json`` (``devices``); there is no figure.
 
 Usage: ``python -m bench.devices [--arms cpu cuda mixed slowed] [--budget-s 150]
 [--replicas 3] [--slowdown 16] [--set SECTION.FIELD=VALUE]`` (``cuda`` and ``mixed`` need a
@@ -121,6 +121,15 @@ def run(arm: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             }
             if name == "head":  # how many it kept in flight at the end (bench.routing_window)
                 replicas[name]["window"] = st.get("window")
+                # train.route_cutoff: replicas its hops' draws left out, and those left out now
+                replicas[name]["route_left_out"] = st["counters"].get("route_left_out", 0)
+                named = {a: n for n, a in addresses.items()}
+                replicas[name]["left_out_now"] = sorted(
+                    named.get(p["address"], p["address"])
+                    for stage in st["peers"].values()
+                    for p in stage
+                    if p.get("left_out")
+                )
         stages: dict[str, Any] = {}
         for s in range(1, args.block_stages + 1):
             members = [a for n, a in addresses.items() if n != "head" and stage_of(n) == s]

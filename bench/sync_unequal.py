@@ -42,7 +42,9 @@ reference logs), sampled in the middle of a round (at most one a round, at least
 ``--sample-s`` apart) and averaged, and the mean RMS distance to the partner at pairing (the
 daemon's gauge). Each replica's own distance from its stage's mean and its inner steps are
 kept per sample too (``distance_samples``, ``steps_at_samples``), to see which replicas a
-rise in the spread comes from. The ratio of the stages' spreads comes with a 90 %
+rise in the spread comes from; and how many replicas the head's hop draws left out
+(``head_route_left_out``, ``murmur_route_left_out_total``: none but under ``clock_cut``).
+The ratio of the stages' spreads comes with a 90 %
 bootstrap interval over the run's rounds (``ratio_interval``): ten rounds' ratios swing
 several-fold. Targets (issue 20): on the clock schedule at least 90 % of rounds paired on
 every replica, the fast replicas not held to the slowest one's pace, and stage 1's spread
@@ -230,6 +232,8 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         end = snapshot(everyone)
         wall_s = time.monotonic() - t0
         eval_loss = request_eval(head)
+        # train.route_cutoff (clock_cut): stage-1 replicas the head's draws left out
+        left_out = fetch_status(head)["counters"].get("route_left_out", 0)
     finally:
         swarm.stop()
     replicas = {}
@@ -286,6 +290,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         "wall_s": round(wall_s, 1),
         "sampled_s": sampled_s,
         "eval_loss": eval_loss,
+        "head_route_left_out": left_out,
         "replicas": replicas,
         "stages": stages,
         "fast_over_slowest_steps": fast / max(1e-9, replicas["slow4"]["steps_per_s"]),

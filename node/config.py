@@ -219,7 +219,8 @@ class TrainConfig:
     departure from SWARM; 2 is the value measured). 0, the default: every replica drawn, as
     SWARM draws them. Off by default because a live pair of ten-minute runs of
     ``bench.sync_unequal`` had the unequal stage spread 2.69x the equal one with it (the
-    4x-slow replica took half its inner steps) against 0.98x without."""
+    4x-slow replica took half its inner steps) against 0.98x without. Replicas left out:
+    ``murmur_route_left_out_total``, and marked in ``node status``."""
     hop_retries: int = 3
     """Other replicas tried when a hop fails, before the microbatch is dropped at that hop."""
     microbatch_deadline_s: float = 30.0

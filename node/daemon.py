@@ -242,6 +242,9 @@ class Node:
         now = self.clock.now()
         held = [s for s in range(self.num_stages) if self.table.covers(s)]
         peers: dict[str, list[dict[str, Any]]] = {str(s): [] for s in held}
+        left_out = set().union(  # replicas our hops' draws leave out (train.route_cutoff)
+            *(self.router.left_out(self.table.replicas(s), now) for s in held)
+        )
         for p in sorted(self.table.records(), key=lambda p: (p.stage, p.peer_id)):
             peers.setdefault(str(p.stage), []).append(
                 {
@@ -252,6 +255,7 @@ class Node:
                     "queue": p.queue,
                     "ready": p.ready,
                     "relayed": bool(p.relays),
+                    "left_out": p.peer_id in left_out,
                     "age_s": round(self.table.age_s(p.peer_id, now) or 0.0, 2),
                 }
             )
@@ -332,6 +336,8 @@ class Node:
             out["clock_steps"] = self.membership.clocks.steps
         if self.membership.clocks.peer_steps:
             out["peer_clock_steps"] = self.membership.clocks.peer_steps
+        if self.router.num_left_out:
+            out["route_left_out"] = self.router.num_left_out
         return out
 
     # ---- lifecycle ----------------------------------------------------------------------

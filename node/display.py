@@ -164,6 +164,11 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(
                 f"      {p['peer_id']}  {p['address']:<21} step {p['step']:<6} "
                 f"{p['throughput']:>7.1f}/s  queue {p['queue']}  seen {p['age_s']:.1f}s ago"
+                + (
+                    "  <- left out of hops: far slower (train.route_cutoff)"
+                    if p.get("left_out")
+                    else ""
+                )
             )
     far = {k: v for k, v in st.get("stages", {}).items() if not v["held"]}
     for stage, summary in sorted(far.items(), key=lambda kv: int(kv[0])):

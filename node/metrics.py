@@ -71,6 +71,11 @@ _NAMED_COUNTERS = {
         "murmur_stages_seen_empty",
         "Times this node saw a stage lose its last live replica (a refill may follow).",
     ),
+    "route_left_out": (
+        "murmur_route_left_out",
+        "Replicas left out of a hop's draw (train.route_cutoff): expected to take more than "
+        "the cutoff times the best replica's time; one per draw each.",
+    ),
     "peers_banned": ("murmur_peers_banned", "Peers banned for sending poisoned weights."),
     "peers_refused_table_full": (
         "murmur_peers_refused_table_full",

@@ -196,6 +196,8 @@ class Router:
         """This node's address (a relayed replica whose relay is this node costs no more)."""
         self.samples = 1.0
         """Samples in a microbatch (``data.batch_size``): compute time = samples / rate."""
+        self.num_left_out = 0
+        """Candidates the cut has left out of this router's draws, one per draw each."""
 
     def choose(
         self, candidates: Sequence[PeerRecord], now: float, exclude: Collection[str] = ()
@@ -209,12 +211,30 @@ class Router:
         pool = [c for c in candidates if c.peer_id not in exclude]
         if not pool:
             return None
-        weights = route_weights(pool, self.stats, now, self.here, self.samples)
-        if self.cutoff > 0:  # off by default: SWARM's draw, no second pass per hop
-            weights = cut_weights(pool, self.stats, weights, now, self.cutoff)
+        drawn, weights = self._weights(pool, now)
+        if weights is not drawn:
+            self.num_left_out += sum(w > 0 and not k for w, k in zip(drawn, weights, strict=True))
         if sum(weights) <= 0:
             return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
         return self.rng.choices(pool, weights=weights, k=1)[0]
+
+    def left_out(self, candidates: Sequence[PeerRecord], now: float) -> set[str]:
+        """The candidates a draw among ``candidates`` would leave out now for being far
+        slower than the best (``cut_weights``; none while the cutoff is 0)."""
+        drawn, weights = self._weights(candidates, now)
+        return {
+            c.peer_id for c, w, k in zip(candidates, drawn, weights, strict=True) if w and not k
+        }
+
+    def _weights(
+        self, candidates: Sequence[PeerRecord], now: float
+    ) -> tuple[list[float], list[float]]:
+        """SWARM's weights for ``candidates`` and the draw's after the cut (the same list
+        while the cutoff is 0, the default: no second pass per hop)."""
+        drawn = route_weights(candidates, self.stats, now, self.here, self.samples)
+        if self.cutoff <= 0:
+            return drawn, drawn
+        return drawn, cut_weights(candidates, self.stats, drawn, now, self.cutoff)
 
     def started(self, peer_id: str) -> None:
         self._stats(peer_id).num_in_flight += 1

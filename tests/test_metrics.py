@@ -73,6 +73,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_learning_rate": ("gauge", {"stage"}),
     "murmur_attention_logit_max": ("gauge", {"stage", "block"}),
     "murmur_stages_seen_empty": ("counter", set()),
+    "murmur_route_left_out": ("counter", set()),
     "murmur_peers_banned": ("counter", set()),
     "murmur_peers_refused_table_full": ("counter", set()),
     "murmur_peers_buried": ("counter", set()),
@@ -591,6 +592,20 @@ def test_node_status_says_when_the_uplink_is_too_thin_to_gossip() -> None:
     st["sync"].update(round_multiple=4, round_s=40.0)
     assert "every 40s (4 of the stage's rounds: its exchange outlasts one)" in format_status(st)
     assert "murmur_sync_round_multiple 4.0" in scrape(FakeNode(st))
+
+
+def test_node_status_and_metrics_name_a_replica_the_hops_leave_out() -> None:
+    """train.route_cutoff: the replicas our draws leave out now are marked in the peer list,
+    and how many each draw left out is a counter (zero, the default cut being off)."""
+    st = head_status()
+    assert "left out of hops" not in format_status(st)
+    assert "murmur_route_left_out_total 0.0" in scrape(FakeNode(st))
+    st["peers"]["1"][0]["left_out"] = True
+    st["counters"]["route_left_out"] = 12
+    lines = [line for line in format_status(st).splitlines() if "left out" in line]
+    assert len(lines) == 1 and PEER_IDS[0] in lines[0]
+    assert "far slower (train.route_cutoff)" in lines[0]
+    assert "murmur_route_left_out_total 12.0" in scrape(FakeNode(st))
 
 
 def test_node_status_and_metrics_say_when_the_event_loop_was_held_up() -> None:

@@ -230,7 +230,7 @@ def test_only_fresh_figures_leave_a_replica_out() -> None:
 
 def test_a_router_with_a_cutoff_never_draws_a_far_slower_replica_while_it_knows() -> None:
     peers = [rec("fast-a"), rec("fast-b"), rec("slow")]
-    draws = {}
+    draws, routers = {}, {}
     for cutoff in (0.0, 2.0):
         r = Router(random.Random(5), cutoff=cutoff)
         for pid, rate in (("fast-a", 17.0), ("fast-b", 17.0), ("slow", 1.0)):
@@ -238,10 +238,18 @@ def test_a_router_with_a_cutoff_never_draws_a_far_slower_replica_while_it_knows(
             r.finished(pid, True, 0.0, 0.01, queue=0, rate=rate)
         chosen = [r.choose(peers, 1.0) for _ in range(6000)]
         draws[cutoff] = Counter(c.peer_id for c in chosen if c is not None)
+        routers[cutoff] = r
     # SWARM's draw: 1 / (17 + 17 + 1) of them to the slow one; the cut: none
     assert draws[0.0]["slow"] / 6000 == pytest.approx(1 / 35, abs=0.01)
     assert draws[2.0]["slow"] == 0
     assert draws[2.0]["fast-a"] / 6000 == pytest.approx(0.5, abs=0.03)
+    # what an operator sees: each draw counts the slow one left out, and status names it
+    assert routers[0.0].num_left_out == 0 and routers[0.0].left_out(peers, 1.0) == set()
+    assert routers[2.0].num_left_out == 6000
+    assert routers[2.0].left_out(peers, 1.0) == {"slow"}
+    assert routers[2.0].left_out(peers, RECHECK_S + 0.1) == set()  # due for a recheck
+    routers[2.0].choose(peers, 1.0, exclude={"fast-a", "fast-b"})  # the only one left
+    assert routers[2.0].num_left_out == 6000
     # once its figures are old it is drawn by its weight again
     r = Router(random.Random(5), cutoff=2.0)
     r.started("slow")

@@ -47,6 +47,7 @@ def test_unequal_replicas_keep_pairing_on_the_clock_schedule(tmp_path: Path) -> 
     assert slower["slow4"] > 2.5 and slower["slow2"] > 1.5, slower  # the emulation works
     assert run["fast_over_slowest_steps"] >= 2.0, run["fast_over_slowest_steps"]
     assert run["spread_ratio_to_equal"] <= 3.0, run["stages"]
+    assert run["head_route_left_out"] == 0  # the cut is off by default: SWARM's draw
     for name, replica in run["replicas"].items():  # each replica's share of its stage's spread
         samples = run["stages"][str(replica["stage"])]["spread_samples"]
         assert len(replica["distance_samples"]) == len(replica["steps_at_samples"]) == len(samples)
