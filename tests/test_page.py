@@ -1,7 +1,7 @@
 """The swarm's page (``GET /``) in a real browser: headless Chromium loads the head's page of
-a live three-node swarm, and the test reads what a person would see from the rendered DOM
-(the three stages with their ready replicas, a loss curve that falls), and keeps a
-screenshot (printed path; ``docs/page.png`` is one such screenshot)."""
+a live swarm, and the test reads what a person would see from the rendered DOM (the stages
+with their ready replicas, one the head's hops leave out marked so, a loss curve that
+falls), and keeps a screenshot (printed path; ``docs/page.png`` is one such screenshot)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,13 @@ def start_pipeline(s: LocalSwarm, block_stages: int) -> str:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
 def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> None:
-    s = LocalSwarm(tmp_path, {**FAST_SWARM, **stages(2)})
+    """Stage 1 has a second replica, 16x slower, which the head's hops leave out
+    (``train.route_cutoff=2``): the page marks it so."""
+    s = LocalSwarm(tmp_path, {**FAST_SWARM, **stages(2), "train.route_cutoff": "2"})
     try:
         head = start_pipeline(s, 2)
+        slow = s.start_node(1, extra=["--set", "train.slowdown=16"])
+        wait_ready(slow, 90, s)
 
         def learning() -> bool:
             history = fetch_status(head)["loss_history"]
@@ -67,6 +71,16 @@ def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> N
         assert [c[0] for c in columns] == ["0", "1", "2"], dom[-3000:]
         assert columns[0][1] == "head (stage 0)" and "(this node)" in columns[0][2]
         assert all("ready" in c[2] for c in columns)
+        marked = "left out of hops: far slower"
+
+        def slow_marked() -> bool:  # the mark lapses while the head rechecks it (each 30 s)
+            page = chromium("--dump-dom", f"http://{head}/").split("<script>")[0]
+            column = page.split('data-stage="1"')[1].split('data-stage="2"')[0]
+            replicas = column.split('<div class="replica">')[1:]
+            assert len(replicas) == 2 and all(marked not in r for r in replicas if slow not in r)
+            return any(marked in r for r in replicas if slow in r)
+
+        wait_for(slow_marked, 90, "the page to mark the slowed replica left out")
         first, last = re.search(r'data-first="([\d.]+)" data-last="([\d.]+)"', dom).groups()  # type: ignore[union-attr]
         assert float(last) < float(first) - 0.3
         assert 'id="loss-path"' in dom and "tokens/s" in dom
