@@ -217,10 +217,11 @@ class TrainConfig:
     """A next-stage replica expected to take more than this many times as long as the best
     to finish a microbatch is left out of the hop draw (``swarm.routing.cut_weights``, our
     departure from SWARM; 2 is the value measured). 0, the default: every replica drawn, as
-    SWARM draws them. Off by default because a live pair of ten-minute runs of
-    ``bench.sync_unequal`` had the unequal stage spread 2.69x the equal one with it (the
-    4x-slow replica took half its inner steps) against 0.98x without. Replicas left out:
-    ``murmur_route_left_out_total``, and marked in ``node status``."""
+    SWARM draws them. Off by default because in three live pairs of ten-minute runs of
+    ``bench.sync_unequal`` it gave the fast replicas 8 to 12 % more inner steps but the
+    4x-slow replica half its own, and the unequal stage spread further than with the draw in
+    two pairs of three (3.15x the equal stage on average, against 1.89x). Replicas left out:
+    ``murmur_route_left_out_total``, and marked in ``node status`` and on the page."""
     hop_retries: int = 3
     """Other replicas tried when a hop fails, before the microbatch is dropped at that hop."""
     microbatch_deadline_s: float = 30.0
