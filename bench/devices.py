@@ -28,7 +28,8 @@ replica's slow weights from the stage's mean, sampled in the middle of a round a
 and every node's error lines and exit code. With two replicas a pair is the whole stage and
 NoLoCo leaves both with the same slow weights, so the distance says something from three on
 (the default). The check: a ``mixed`` arm that learns as the others do, pairs in its rounds
-as ``cuda`` does and keeps its replicas as close, with no error line. Writes ``bench/results/<--name>.json`` (``devices``); there is no figure.
+as ``cuda`` does and keeps its replicas as close, with no error line. Writes
+``bench/results/<--name>.json`` (``devices``); there is no figure.
 
 Usage: ``python -m bench.devices [--arms cpu cuda mixed slowed] [--budget-s 150]
 [--replicas 3] [--slowdown 16] [--set SECTION.FIELD=VALUE]`` (``cuda`` and ``mixed`` need a

@@ -77,8 +77,10 @@ def test_the_heads_page_shows_the_stages_and_a_falling_loss(tmp_path: Path) -> N
             page = chromium("--dump-dom", f"http://{head}/").split("<script>")[0]
             column = page.split('data-stage="1"')[1].split('data-stage="2"')[0]
             replicas = column.split('<div class="replica">')[1:]
-            assert len(replicas) == 2 and all(marked not in r for r in replicas if slow not in r)
-            return any(marked in r for r in replicas if slow in r)
+            mine = [f"{slow}<br>" in r for r in replicas]  # its address, a direct one's line
+            assert len(replicas) == 2 and sum(mine) == 1, column
+            assert all(marked not in r for r, m in zip(replicas, mine, strict=True) if not m)
+            return any(marked in r for r, m in zip(replicas, mine, strict=True) if m)
 
         wait_for(slow_marked, 90, "the page to mark the slowed replica left out")
         first, last = re.search(r'data-first="([\d.]+)" data-last="([\d.]+)"', dom).groups()  # type: ignore[union-attr]
