@@ -44,9 +44,8 @@ daemon's gauge). Each replica's own distance from its stage's mean and its inner
 kept per sample too (``distance_samples``, ``steps_at_samples``), to see which replicas a
 rise in the spread comes from; and how many replicas the head's hop draws left out
 (``head_route_left_out``, ``murmur_route_left_out_total``: none but under ``clock_cut``).
-The ratio of the stages' spreads comes with a 90 %
-bootstrap interval over the run's rounds (``ratio_interval``): ten rounds' ratios swing
-several-fold. Targets (issue 20): on the clock schedule at least 90 % of rounds paired on
+The ratio of the stages' spreads comes with a 90 % bootstrap interval over the run's rounds
+(``ratio_interval``): ten rounds' ratios swing several-fold. Targets (issue 20): on the clock schedule at least 90 % of rounds paired on
 every replica, the fast replicas not held to the slowest one's pace, and stage 1's spread
 at most 2x stage 2's.
 

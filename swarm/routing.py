@@ -214,7 +214,7 @@ class Router:
         if not pool:
             return None
         drawn, weights = self._weights(pool, now)
-        if weights is not drawn:
+        if self.cutoff > 0:
             self.num_left_out += sum(w > 0 and not k for w, k in zip(drawn, weights, strict=True))
         if sum(weights) <= 0:
             return min(pool, key=lambda c: self._stats(c.peer_id).banned_until)
@@ -223,9 +223,11 @@ class Router:
     def left_out(self, candidates: Sequence[PeerRecord], now: float) -> set[str]:
         """The candidates a draw among ``candidates`` would leave out now for being far
         slower than the best (``cut_weights``; none while the cutoff is 0)."""
+        if self.cutoff <= 0:  # the default: no weights to work out for every status call
+            return set()
         drawn, weights = self._weights(candidates, now)
         return {
-            c.peer_id for c, w, k in zip(candidates, drawn, weights, strict=True) if w and not k
+            c.peer_id for c, w, k in zip(candidates, drawn, weights, strict=True) if w > 0 and not k
         }
 
     def _weights(
