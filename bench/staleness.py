@@ -29,8 +29,14 @@ Budgets: the quick one with the live check's schedule (120k tokens, ``total_step
 warm-up, then at once the floor, as ``bench/convergence.py --quick --check`` has it), the
 same tokens with the cosine over the budget, and a longer budget (480k).
 
+``--daemon-sizes``: the daemon's own microbatch and step sizes instead of the live check's
+(16 x 128 tokens per microbatch, 32 samples per inner step: two microbatches a step, so six
+in flight put a gradient at most about three inner steps late under ``stash``, and ``2bw``
+steps every 96 samples, three units); ``2bw_lr`` scales by the square root of its ``k``.
+
 Usage: ``python -m bench.staleness [--budgets 120000:61,120000,480000] [--seeds 0,1]
-[--in-flight 6]`` (about 15 minutes on two cores).
+[--in-flight 6] [--daemon-sizes] [--name staleness]`` (about 15 minutes on two cores);
+``--quick``: the seconds-long smoke run the tests use.
 """
 
 from __future__ import annotations
@@ -47,25 +53,40 @@ from typing import Any
 from bench.convergence import SETTINGS
 from bench.convergence_sim import Curve, simulate
 from node.config import TrainConfig, resolve_config
+from node.stage.runner import staleness_units
 
 RESULTS = Path(__file__).parent / "results"
 REPLICAS = 2
 """Replicas per stage: the live check's configuration."""
 VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr")
+DAEMON_SIZES = {"data.batch_size": "16", "data.seq_len": "128", "train.step_samples": "32"}
+"""The daemon's defaults (``node.data.dataset``, ``node.config.TrainConfig``)."""
 
 
 def log(msg: str) -> None:
     print(f"[staleness {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
 
 
-def settings(tokens: int, total_steps: int, staleness: str, outer_steps: int) -> dict[str, str]:
-    """The live check's settings; ``total_steps`` 0: the cosine spans the budget, as in the
-    study (the live check's own, 61, is the warm-up and then at once the floor)."""
-    per_step = int(SETTINGS["data.batch_size"]) * int(SETTINGS["data.seq_len"]) * REPLICAS
-    warmup = int(SETTINGS["train.warmup_steps"])
-    total_steps = total_steps or max(tokens // per_step, warmup + 1)
+def tokens_per_step(s: dict[str, str]) -> int:
+    """Tokens of one inner step (one unit of ``step_samples``) on all of a stage's replicas."""
+    return int(s["train.step_samples"]) * int(s["data.seq_len"]) * REPLICAS
+
+
+def settings(
+    tokens: int,
+    total_steps: int,
+    staleness: str,
+    outer_steps: int,
+    sizes: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The live check's settings (``sizes`` replaces its microbatch and step sizes);
+    ``total_steps`` 0: the cosine spans the budget, as in the study (the live check's own,
+    61, is the warm-up and then at once the floor)."""
+    base = {**SETTINGS, **(sizes or {})}
+    warmup = int(base["train.warmup_steps"])
+    total_steps = total_steps or max(tokens // tokens_per_step(base), warmup + 1)
     return {
-        **SETTINGS,
+        **base,
         "swarm.model": "tiny",
         "sync.method": "noloco",
         "sync.outer_steps": str(outer_steps),
@@ -77,21 +98,29 @@ def settings(tokens: int, total_steps: int, staleness: str, outer_steps: int) ->
 
 def peak_tokens(s: dict[str, str]) -> int:
     """Tokens (all heads) at the end of the warm-up: the peak learning rate."""
-    per_step = int(s["data.batch_size"]) * int(s["data.seq_len"]) * REPLICAS
-    return int(s["train.warmup_steps"]) * per_step
+    return int(s["train.warmup_steps"]) * tokens_per_step(s)
 
 
 def run(
-    variant: str, tokens: int, total_steps: int, seed: int, in_flight: int, outer_steps: int
+    variant: str,
+    tokens: int,
+    total_steps: int,
+    seed: int,
+    in_flight: int,
+    outer_steps: int,
+    sizes: dict[str, str] | None = None,
+    num_evals: int = 20,
 ) -> Curve:
     staleness = "stash" if variant in ("sync", "stash") else "2bw"
-    s = settings(tokens, total_steps, staleness, outer_steps)
-    if variant == "2bw_lr":  # k = in_flight here: one microbatch per step_samples
-        s["train.lr"] = str(TrainConfig.lr * math.sqrt(in_flight))
+    s = settings(tokens, total_steps, staleness, outer_steps, sizes)
+    if variant == "2bw_lr":  # Adam's square-root rule for a batch k times larger
+        units = staleness_units(
+            resolve_config(overrides={**s, "train.max_in_flight": str(in_flight)})
+        )
+        s["train.lr"] = str(TrainConfig.lr * math.sqrt(units))
     flight = in_flight if variant in ("stash", "2bw", "2bw_lr") else 1
     window = in_flight if variant == "sync_2bw_steps" else 0
     config = resolve_config(overrides=s)
-    num_evals = 20
     milestones = [0, *(tokens * (i + 1) // num_evals for i in range(num_evals))]
     t0 = time.monotonic()
     curve = simulate(
@@ -180,8 +209,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-flight", type=int, default=6, help="microbatches in flight per head")
     p.add_argument("--outer-steps", type=int, default=10, help="H (the live check's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--daemon-sizes",
+        action="store_true",
+        help="the daemon's microbatch (16 x 128 tokens) and step (32 samples) sizes",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="staleness", help="results file name, without suffix")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 20k tokens, seed 0, 3 in flight"
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.budgets, args.seeds, args.in_flight = "20000", "0", 3
     args.budgets = [
         (int(t), int(total or 0))
         for t, _, total in (b.partition(":") for b in args.budgets.split(","))
@@ -193,34 +234,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    sizes = DAEMON_SIZES if args.daemon_sizes else {}
+    num_evals = 4 if args.quick else 20
     result: dict[str, Any] = {
         "in_flight": args.in_flight,
+        "sizes": "daemon" if args.daemon_sizes else "live check",
         "replicas_per_stage": REPLICAS,
         "outer_steps": args.outer_steps,
         "seeds": args.seeds,
         "budgets": {},
     }
     for tokens, total_steps in args.budgets:
-        s = settings(tokens, total_steps, "<variant>", args.outer_steps)
+        s = settings(tokens, total_steps, "<variant>", args.outer_steps, sizes)
         runs: dict[str, dict[str, Any]] = {}
         for variant in args.variants:
             runs[variant] = {
                 str(seed): asdict(
-                    run(variant, tokens, total_steps, seed, args.in_flight, args.outer_steps)
+                    run(
+                        variant,
+                        tokens,
+                        total_steps,
+                        seed,
+                        args.in_flight,
+                        args.outer_steps,
+                        sizes,
+                        num_evals,
+                    )
                 )
                 for seed in args.seeds
             }
         name = f"{tokens:,} tokens, total_steps {s['train.total_steps']}"
+        two_bw = {**s, "train.staleness": "2bw", "train.max_in_flight": str(args.in_flight)}
         result["budgets"][name] = {
             "tokens": tokens,
             "settings": s,
+            "units_per_2bw_step": staleness_units(resolve_config(overrides=two_bw)),
             "peak_lr_tokens": peak_tokens(s),
             "summary": summarise(runs, peak_tokens(s)),
             "runs": runs,
         }
         args.out.mkdir(parents=True, exist_ok=True)  # written after each budget
-        (args.out / "staleness.json").write_text(json.dumps(result, indent=2) + "\n")
-        plot(result, args.out / "staleness.png")
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        if not args.no_plot:
+            plot(result, args.out / f"{args.name}.png")
     return result
 
 

@@ -1,0 +1,56 @@
+"""The staleness comparison (``bench.staleness --quick``: 20k tokens, one seed, every
+variant; seconds): each variant runs end to end on the daemon's runners in the one-process
+emulation, the emulated pipeline really makes gradients late, and 2bw really coarsens the
+steps, at the live check's sizes and at the daemon's own."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import staleness
+
+
+def finals(result: dict[str, Any], variant: str) -> list[float]:
+    (budget,) = result["budgets"].values()
+    return [run["eval_loss"][-1] for run in budget["runs"][variant].values()]
+
+
+@pytest.mark.inprocess
+def test_every_variant_runs_and_each_changes_what_it_claims_to(tmp_path: Path) -> None:
+    result = staleness.main(["--quick", "--out", str(tmp_path), "--name", "quick"])
+    assert json.loads((tmp_path / "quick.json").read_text()) == result
+    assert (tmp_path / "quick.png").exists()
+    (budget,) = result["budgets"].values()
+    assert set(budget["runs"]) == set(staleness.VARIANTS)
+    assert all(math.isfinite(x) for v in staleness.VARIANTS for x in finals(result, v))
+    # 3 in flight x 8 samples over 8 samples a step: a 2bw step is 3 units
+    assert budget["units_per_2bw_step"] == 3
+    # the emulation is deterministic: a variant that changed nothing would end where sync does
+    sync = finals(result, "sync")
+    for variant in ("stash", "2bw", "sync_2bw_steps", "2bw_lr"):
+        assert finals(result, variant) != sync, variant
+    assert finals(result, "2bw") != finals(result, "sync_2bw_steps")  # staleness, one step
+    steps = {v: r["0"]["inner_steps"] for v, r in budget["runs"].items()}
+    assert steps["sync"] == steps["stash"]  # the same units per token either way
+    assert steps["2bw"] == steps["sync_2bw_steps"] and steps["2bw"] % 3 == 0
+
+
+@pytest.mark.inprocess
+def test_the_daemon_sizes_put_two_microbatches_in_a_step(tmp_path: Path) -> None:
+    result = staleness.main(
+        ["--quick", "--daemon-sizes", "--variants", "stash,2bw", "--no-plot"]
+        + ["--out", str(tmp_path)]
+    )
+    (budget,) = result["budgets"].values()
+    assert result["sizes"] == "daemon"
+    s = budget["settings"]
+    assert (s["data.batch_size"], s["data.seq_len"], s["train.step_samples"]) == ("16", "128", "32")
+    # 3 in flight x 16 samples over 32 a unit: 2bw steps every 2 units
+    assert budget["units_per_2bw_step"] == 2
+    assert not (tmp_path / "staleness.png").exists()
+    assert finals(result, "stash") != finals(result, "2bw")
