@@ -237,14 +237,25 @@ class Node:
         published = self.membership.published()
         return published.step_s if published else 0.0
 
+    def _left_out(self, stages: list[int], now: float) -> set[str]:
+        """The replicas of ``stages`` our hops' draws leave out now (``train.route_cutoff``;
+        none while it is off). Only a stage with a replica we have sent to is asked: the cut
+        needs our own acknowledged figures."""
+        if self.router.cutoff <= 0:
+            return set()
+        stats, out = self.router.stats, set()
+        for s in stages:
+            replicas = self.table.replicas(s)
+            if any(p.peer_id in stats for p in replicas):
+                out |= self.router.left_out(replicas, now)
+        return out
+
     def status(self) -> dict[str, Any]:
         """This node's view of the swarm, for ``node status`` and the demo."""
         now = self.clock.now()
         held = [s for s in range(self.num_stages) if self.table.covers(s)]
         peers: dict[str, list[dict[str, Any]]] = {str(s): [] for s in held}
-        left_out = set().union(  # replicas our hops' draws leave out (train.route_cutoff)
-            *(self.router.left_out(self.table.replicas(s), now) for s in held)
-        )
+        left_out = self._left_out(held, now)
         for p in sorted(self.table.records(), key=lambda p: (p.stage, p.peer_id)):
             peers.setdefault(str(p.stage), []).append(
                 {
