@@ -50,12 +50,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench import add_output_args, add_set_arg
 from bench.convergence import SETTINGS
 from bench.convergence_sim import Curve, simulate
-from node.config import TrainConfig, resolve_config
+from node.config import TrainConfig, parse_sets, resolve_config
 from node.stage.runner import staleness_units
 
-RESULTS = Path(__file__).parent / "results"
 REPLICAS = 2
 """Replicas per stage: the live check's configuration."""
 VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr")
@@ -77,12 +77,12 @@ def settings(
     total_steps: int,
     staleness: str,
     outer_steps: int,
-    sizes: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The live check's settings (``sizes`` replaces its microbatch and step sizes);
+    """The live check's settings, with ``extra`` over them (``DAEMON_SIZES``, ``--set``);
     ``total_steps`` 0: the cosine spans the budget, as in the study (the live check's own,
     61, is the warm-up and then at once the floor)."""
-    base = {**SETTINGS, **(sizes or {})}
+    base = {**SETTINGS, **(extra or {})}
     warmup = int(base["train.warmup_steps"])
     total_steps = total_steps or max(tokens // tokens_per_step(base), warmup + 1)
     return {
@@ -108,11 +108,11 @@ def run(
     seed: int,
     in_flight: int,
     outer_steps: int,
-    sizes: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
     num_evals: int = 20,
 ) -> Curve:
     staleness = "stash" if variant in ("sync", "stash") else "2bw"
-    s = settings(tokens, total_steps, staleness, outer_steps, sizes)
+    s = settings(tokens, total_steps, staleness, outer_steps, extra)
     if variant == "2bw_lr":  # Adam's square-root rule for a batch k times larger
         units = staleness_units(
             resolve_config(overrides={**s, "train.max_in_flight": str(in_flight)})
@@ -214,9 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the daemon's microbatch (16 x 128 tokens) and step (32 samples) sizes",
     )
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--name", default="staleness", help="results file name, without suffix")
-    p.add_argument("--no-plot", action="store_true")
+    add_set_arg(p, "a setting for every variant's runners (repeatable)")
+    add_output_args(p, "staleness")
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 20k tokens, seed 0, 3 in flight"
     )
@@ -234,18 +233,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    sizes = DAEMON_SIZES if args.daemon_sizes else {}
+    extra = {**(DAEMON_SIZES if args.daemon_sizes else {}), **parse_sets(args.set)}
     num_evals = 4 if args.quick else 20
     result: dict[str, Any] = {
         "in_flight": args.in_flight,
         "sizes": "daemon" if args.daemon_sizes else "live check",
+        "sets": parse_sets(args.set),
         "replicas_per_stage": REPLICAS,
         "outer_steps": args.outer_steps,
         "seeds": args.seeds,
         "budgets": {},
     }
     for tokens, total_steps in args.budgets:
-        s = settings(tokens, total_steps, "<variant>", args.outer_steps, sizes)
+        s = settings(tokens, total_steps, "<variant>", args.outer_steps, extra)
         runs: dict[str, dict[str, Any]] = {}
         for variant in args.variants:
             runs[variant] = {
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         seed,
                         args.in_flight,
                         args.outer_steps,
-                        sizes,
+                        extra,
                         num_evals,
                     )
                 )
@@ -274,9 +274,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "runs": runs,
         }
         args.out.mkdir(parents=True, exist_ok=True)  # written after each budget
-        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{args.name or 'staleness'}.json").write_text(
+            json.dumps(result, indent=2) + "\n"
+        )
         if not args.no_plot:
-            plot(result, args.out / f"{args.name}.png")
+            plot(result, args.out / f"{args.name or 'staleness'}.png")
     return result
 
 

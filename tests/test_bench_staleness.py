@@ -41,15 +41,18 @@ def test_every_variant_runs_and_each_changes_what_it_claims_to(tmp_path: Path) -
 
 
 @pytest.mark.inprocess
-def test_the_daemon_sizes_put_two_microbatches_in_a_step(tmp_path: Path) -> None:
+def test_the_daemon_sizes_put_two_microbatches_in_a_step_and_sets_reach_every_run(
+    tmp_path: Path,
+) -> None:
     result = staleness.main(
         ["--quick", "--daemon-sizes", "--variants", "stash,2bw", "--no-plot"]
-        + ["--out", str(tmp_path)]
+        + ["--set", "train.betas=0.7,0.999", "--out", str(tmp_path)]
     )
     (budget,) = result["budgets"].values()
     assert result["sizes"] == "daemon"
     s = budget["settings"]
     assert (s["data.batch_size"], s["data.seq_len"], s["train.step_samples"]) == ("16", "128", "32")
+    assert s["train.betas"] == "0.7,0.999" and result["sets"] == {"train.betas": "0.7,0.999"}
     # 3 in flight x 16 samples over 32 a unit: 2bw steps every 2 units
     assert budget["units_per_2bw_step"] == 2
     assert not (tmp_path / "staleness.png").exists()
