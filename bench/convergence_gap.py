@@ -20,6 +20,10 @@ could be:
   against ``site_dp_s1``, and ``site_pair_average_h5_15m`` the larger corpus on 15M
   tokens against ``site_dp_15m``);
 - a smaller step (``dp_half_lr``: data parallel at half the learning rate);
+- the inner Adam's first-moment decay (``noloco_beta1_05`` against ``dp_beta1_05``: both
+  at beta1 = 0.5 instead of 0.9; a NoLoCo replica's inner momentum outlives the outer step
+  that resets its weights, and at beta1 = 0.9 it averages about 10 inner steps, a fifth of
+  a round at H = 50);
 - the budget (``noloco_15m`` against ``dp_15m``: three times the tokens, the schedule
   stretched to match; ``site_noloco_15m`` against ``site_dp_15m`` on the larger corpus,
   and their seeds 1 and 2, ``site_noloco_15m_s1`` against ``site_dp_15m_s1`` and
@@ -121,6 +125,18 @@ VARIANTS: dict[str, Variant] = {
     ),
     "dp_15m": Variant(
         "data parallel, 15M tokens", "allreduce", (), tokens=15_000_000, reference="dp_15m"
+    ),
+    "noloco_beta1_05": Variant(
+        "NoLoCo, H = 50, inner Adam beta1 0.5",
+        "noloco",
+        ("--set", "train.betas=0.5,0.999"),
+        reference="dp_beta1_05",
+    ),
+    "dp_beta1_05": Variant(
+        "data parallel, Adam beta1 0.5",
+        "allreduce",
+        ("--set", "train.betas=0.5,0.999"),
+        reference="dp_beta1_05",
     ),
 }
 SITE = ("--set", f"data.path={SITE_CORPUS}")
