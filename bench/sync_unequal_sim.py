@@ -19,8 +19,9 @@ inner step and the place in the learning-rate schedule averaged with the partner
 pseudo-gradients as they are), ``published`` (the published rule on the clock: neither),
 ``decayed`` (the default with a slow replica's inner momentum decayed by the steps it fell
 short, ``sync.decay_momentum``), ``usual_place`` (the default with each place set at an
-outer step by the stage's usual steps, not the replica's own, ``sync.place_by_usual_steps``)
-and ``equal`` (the default rule with stage 1's four replicas at full speed: the spread ratio
+outer step by the stage's usual steps, not the replica's own, ``sync.place_by_usual_steps``),
+``cap2`` and ``cap1`` (the default with a pair's pseudo-gradient enlarged at most 2x, or
+never, for the steps it fell short: ``sync.max_step_scale``, 4 by default) and ``equal`` (the default rule with stage 1's four replicas at full speed: the spread ratio
 compares stages at two depths of the model, so this is what it reads with no unequal
 replica at all).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
@@ -67,6 +68,8 @@ VARIANTS = {
     "published": {"sync.share_schedule": "false", "sync.scale_by_steps": "false"},
     "decayed": {"sync.decay_momentum": "true"},
     "usual_place": {"sync.place_by_usual_steps": "true"},
+    "cap2": {"sync.max_step_scale": "2"},
+    "cap1": {"sync.max_step_scale": "1"},
     "equal": {},
 }
 EQUAL_STAGE1 = frozenset({"equal"})

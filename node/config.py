@@ -271,9 +271,15 @@ class SyncConfig:
     median of its replicas' wall clocks as measured on membership pings (``swarm.schedule``)."""
     scale_by_steps: bool = True
     """NoLoCo on the clock schedule: take a pair's mean pseudo-gradient as its pooled
-    displacement per inner step times the stage's usual steps per round (at most 4x), so
-    pairs of fast and of slow replicas move their slow weights alike (equal replicas: the
-    published rule; a replica's first round counts the usual steps of the part it trained in)."""
+    displacement per inner step times the stage's usual steps per round (enlarged at most
+    sync.max_step_scale times), so pairs of fast and of slow replicas move their slow
+    weights alike (equal replicas: the published rule; a replica's first round counts the
+    usual steps of the part it trained in)."""
+    max_step_scale: float = 4.0
+    """The most sync.scale_by_steps enlarges a pair's pseudo-gradient (at least 1): a pair
+    that took few inner steps has a noisy displacement, and enlarging it enlarges the noise.
+    In one process, with slow replicas at one or two steps a round, 1 (never enlarge) spread
+    them further and 2 no less (``bench/sync_unequal_sim.py``, ``bench/README.md``)."""
     share_schedule: bool = True
     """NoLoCo: average this replica's place in the inner learning-rate schedule with each
     partner's at an outer step, so a replica slower than the rest is not left warming up
@@ -596,6 +602,8 @@ def _validate(c: Config) -> None:
         raise ValueError(
             f"train.route_cutoff must be 0 (SWARM's draw) or at least 1, got {c.train.route_cutoff}"
         )
+    if not c.sync.max_step_scale >= 1:
+        raise ValueError(f"sync.max_step_scale must be at least 1, got {c.sync.max_step_scale}")
     if c.sync.round_s < 0:
         raise ValueError(f"sync.round_s must be 0 (derived) or positive, got {c.sync.round_s}")
     if not c.sync.min_link_mbps >= 0:

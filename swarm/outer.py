@@ -47,6 +47,9 @@ class NoLoCoConfig:
     """Weight of the group's mean pseudo-gradient."""
     gamma: float = 0.7
     """Weight of the pull towards the group's mean slow weights."""
+    max_step_scale: float = 4.0
+    """Our departure's bound, not the published rule's: the most ``scale_by_steps``
+    enlarges a group's pseudo-gradient (``MAX_STEP_SCALE``)."""
 
 
 @dataclass(frozen=True)
@@ -87,14 +90,17 @@ def noloco_outer_step(
 
 
 MAX_STEP_SCALE = 4.0
-"""The most ``scale_by_steps`` enlarges a pseudo-gradient: a replica that took few inner
-steps in a round has a noisy one, and scaling amplifies that noise."""
+"""The most ``scale_by_steps`` enlarges a pseudo-gradient by default
+(``sync.max_step_scale``): a replica that took few inner steps in a round has a noisy one,
+and scaling amplifies that noise. In one process, with the slow replicas at one or two
+steps a round, a bound of 1 (never enlarge) spread the unequal stage further (2.91 times
+the equal one against 2.02, three seeds) and 2 no less (2.09; ``bench/README.md``)."""
 
 
-def scale_by_steps(steps: float, ref_steps: float) -> float:
+def scale_by_steps(steps: float, ref_steps: float, cap: float = MAX_STEP_SCALE) -> float:
     """The factor that expresses a group's mean pseudo-gradient, over ``steps`` inner steps
     per member on average, as one over ``ref_steps``: ``ref_steps / steps``, at most
-    ``MAX_STEP_SCALE`` (0 for no steps: there is no displacement to contribute).
+    ``cap`` (0 for no steps: there is no displacement to contribute).
 
     Our departure from NoLoCo for replicas of unequal speed (``docs/algorithms.md`` section
     4): on a shared clock a fast replica takes more inner steps per round than a slow one,
@@ -107,7 +113,7 @@ def scale_by_steps(steps: float, ref_steps: float) -> float:
     published rule."""
     if steps <= 0 or ref_steps <= 0:
         return 0.0 if steps <= 0 else 1.0
-    return min(MAX_STEP_SCALE, ref_steps / steps)
+    return min(cap, ref_steps / steps)
 
 
 def momentum_decay(steps: float, ref_steps: float, beta1: float) -> float:

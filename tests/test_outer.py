@@ -1,5 +1,7 @@
 """NoLoCo and DiLoCo outer steps against hand-computed values."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -116,6 +118,8 @@ def test_scale_by_steps_by_hand() -> None:
     assert scale_by_steps(1, 40.0) == MAX_STEP_SCALE  # a 1-step displacement is too noisy
     assert scale_by_steps(0, 4.0) == 0.0  # nothing to contribute
     assert scale_by_steps(5, 0.0) == 1.0  # no reference: the published rule
+    assert scale_by_steps(1, 40.0, cap=2.0) == 2.0  # sync.max_step_scale
+    assert scale_by_steps(8, 4.0, cap=1.0) == 0.5  # a bound on enlarging, not on shrinking
 
 
 def test_momentum_decay_by_hand() -> None:
@@ -145,6 +149,12 @@ def test_noloco_with_unequal_steps_by_hand() -> None:
     state.apply_noloco(theta, offer, NoLoCoConfig(), steps=8, ref_steps=4.0)
     assert state.m.tolist() == pytest.approx([1.19])
     assert state.phi.tolist() == pytest.approx([2.19]) and theta.tolist() == pytest.approx([2.19])
+    # the pair's mean steps are 5 against 40 usual: 8x, bounded by sync.max_step_scale (2):
+    # g_bar = 2 * 3 / 2 = 3; m = .7 * 3 + .7 * .5 = 2.45; phi 3.45
+    capped, theta = OuterState(t(1.0)), t(3.0)
+    far = replace(offer, ref_steps=40.0)
+    capped.apply_noloco(theta, far, NoLoCoConfig(max_step_scale=2.0), steps=8, ref_steps=40.0)
+    assert capped.phi.tolist() == pytest.approx([3.45])
     # equal steps: exactly the published rule
     plain, scaled = OuterState(t(1.0)), OuterState(t(1.0))
     a, b = t(3.0), t(3.0)

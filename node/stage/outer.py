@@ -167,13 +167,13 @@ class OuterState:
         partners, spread, own_scale = [], None, 1.0
         if offer is None:
             if steps >= 0 and ref_steps > 0:
-                own_scale = scale_by_steps(steps, ref_steps)
+                own_scale = scale_by_steps(steps, ref_steps, config.max_step_scale)
         else:
             spread = rms_distance(self.phi, offer.phi)
             delta = offer.delta
             if min(steps, offer.steps) >= 0 and min(ref_steps, offer.ref_steps) > 0:
                 ref = (ref_steps + offer.ref_steps) / 2
-                own_scale = scale_by_steps((steps + offer.steps) / 2, ref)
+                own_scale = scale_by_steps((steps + offer.steps) / 2, ref, config.max_step_scale)
                 delta = delta * own_scale
             partners.append((delta, offer.phi))
         noloco_outer_step(theta, self.phi, self.m, partners, config, own_scale)

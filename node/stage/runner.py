@@ -173,9 +173,9 @@ class StageRunner:
         """Head stage: microbatches whose loss gradient is in the output side's ``.grad``."""
         self._output_side: set[int] = set()
         """Head stage: ids of the output side's parameters (averaged over ``_acc_losses``)."""
-        self.sync = config.sync
-        self.noloco = NoLoCoConfig(config.sync.alpha, config.sync.beta, config.sync.gamma)
-        self.diloco = DiLoCoConfig(config.sync.diloco_lr, config.sync.diloco_momentum)
+        self.sync = sync = config.sync
+        self.noloco = NoLoCoConfig(sync.alpha, sync.beta, sync.gamma, sync.max_step_scale)
+        self.diloco = DiLoCoConfig(sync.diloco_lr, sync.diloco_momentum)
         self.hold = False
         self.sync_due: str | None = None
         self.pending_grads: torch.Tensor | None = None
