@@ -279,7 +279,8 @@ class SyncConfig:
     """The most sync.scale_by_steps enlarges a pair's pseudo-gradient (at least 1): a pair
     that took few inner steps has a noisy displacement, and enlarging it enlarges the noise.
     In one process, with slow replicas at one or two steps a round, 1 (never enlarge) spread
-    them further and 2 no less (``bench/sync_unequal_sim.py``, ``bench/README.md``)."""
+    them further and 2 no less (``bench/sync_unequal_sim.py``, ``bench/README.md``). Every
+    replica of a stage should use the same bound: a pair's members each apply their own."""
     share_schedule: bool = True
     """NoLoCo: average this replica's place in the inner learning-rate schedule with each
     partner's at an outer step, so a replica slower than the rest is not left warming up

@@ -38,6 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_STEP_SCALE = 4.0
+"""The most ``scale_by_steps`` enlarges a pseudo-gradient by default
+(``sync.max_step_scale``): a replica that took few inner steps in a round has a noisy one,
+and scaling amplifies that noise. In one process, with the slow replicas at one or two
+steps a round, a bound of 1 (never enlarge) spread the unequal stage further (2.91 times
+the equal one against 2.02, three seeds) and 2 no less (2.09; ``bench/README.md``)."""
+
 
 @dataclass(frozen=True)
 class NoLoCoConfig:
@@ -47,9 +54,9 @@ class NoLoCoConfig:
     """Weight of the group's mean pseudo-gradient."""
     gamma: float = 0.7
     """Weight of the pull towards the group's mean slow weights."""
-    max_step_scale: float = 4.0
+    max_step_scale: float = MAX_STEP_SCALE
     """Our departure's bound, not the published rule's: the most ``scale_by_steps``
-    enlarges a group's pseudo-gradient (``MAX_STEP_SCALE``)."""
+    enlarges a group's pseudo-gradient."""
 
 
 @dataclass(frozen=True)
@@ -87,14 +94,6 @@ def noloco_outer_step(
     momentum.add_(phi_bar - phi, alpha=config.gamma)
     phi.add_(momentum)
     theta.copy_(phi)
-
-
-MAX_STEP_SCALE = 4.0
-"""The most ``scale_by_steps`` enlarges a pseudo-gradient by default
-(``sync.max_step_scale``): a replica that took few inner steps in a round has a noisy one,
-and scaling amplifies that noise. In one process, with the slow replicas at one or two
-steps a round, a bound of 1 (never enlarge) spread the unequal stage further (2.91 times
-the equal one against 2.02, three seeds) and 2 no less (2.09; ``bench/README.md``)."""
 
 
 def scale_by_steps(steps: float, ref_steps: float, cap: float = MAX_STEP_SCALE) -> float:
