@@ -90,6 +90,7 @@ class SimulatedSwarm:
         window: int = 0,
         speeds: dict[int, list[float]] | None = None,
         clock_every: int = 0,
+        across: bool = False,
     ) -> None:
         # equal replicas: the schedules agree; unequal ones need the clock (``clock_every``)
         sync = replace(config.sync, schedule="clock" if clock_every else "steps")
@@ -97,6 +98,9 @@ class SimulatedSwarm:
         """Block stage -> each replica's relative speed (stages not named: equal speeds)."""
         self.clock_every = clock_every
         """Global steps per round of the clock schedule (0: every H inner steps)."""
+        self.across = across
+        """NoLoCo pairs in a stage of unequal ``speeds`` join a replica of the faster half
+        to one of the slower half, at random (else any two at random, the published rule)."""
 
         self.in_flight = max(1, in_flight)
         # the emulated window is the runners' max_in_flight (train.staleness = 2bw reads it)
@@ -107,6 +111,7 @@ class SimulatedSwarm:
         self.num_stages = config.swarm.num_block_stages + 1
         self.route_rng = random.Random(f"route-{seed}")  # the same routes for every method
         self.pair_rng = random.Random(f"pairs-{seed}")
+        self.across_rng = random.Random(f"across-{seed}")  # ``across`` leaves pair_rng's draws
         self.runners: list[list[StageRunner]] = []
         for stage in range(self.num_stages):
             row = []
@@ -235,8 +240,7 @@ class SimulatedSwarm:
                     r.finish_sync(False)
 
     def _noloco(self, row: list[StageRunner], ref_steps: float = 0.0) -> None:
-        order = list(range(len(row)))
-        self.pair_rng.shuffle(order)
+        order = self._pairing(row[0].stage, len(row))
         codec = sync_codec_unmeasured(self.config.sync.codec)  # no links here: fp32 for auto
         offers = {i: row[i].outer_contribution(codec, ref_steps) for i in order}
         self.last_pairs[row[0].stage] = list(zip(order[0::2], order[1::2], strict=False))
@@ -246,6 +250,21 @@ class SimulatedSwarm:
             row[b].apply_noloco(offer_a, ref_steps)
         if len(order) % 2:  # the odd replica out steps alone
             row[order[-1]].apply_noloco(None, ref_steps)
+
+    def _pairing(self, stage: int, n: int) -> list[int]:
+        """Replica indices in pairing order: ``order[0::2]`` with ``order[1::2]``. At random;
+        with ``across`` and unequal speeds, each of the faster half with one of the slower
+        half (ties in speed broken at random), so no round pairs the fast together."""
+        order = list(range(n))
+        self.pair_rng.shuffle(order)
+        speeds = self.speeds.get(stage)
+        if not (self.across and speeds) or len(set(speeds)) < 2:
+            return order
+        ranked = sorted(order, key=lambda i: -speeds[i])  # stable: shuffled among equals
+        fast, slow = ranked[: n // 2], ranked[n // 2 :]
+        self.across_rng.shuffle(slow)  # pair_rng draws as without ``across``: other stages'
+        # pairs stay those of the published rule's runs
+        return [i for pair in zip(fast, slow, strict=False) for i in pair] + slow[len(fast) :]
 
     def _diloco(self, row: list[StageRunner]) -> None:
         mean = torch.stack([r.outer_delta() for r in row]).mean(0)

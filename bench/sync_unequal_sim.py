@@ -21,9 +21,11 @@ pseudo-gradients as they are), ``published`` (the published rule on the clock: n
 short, ``sync.decay_momentum``), ``usual_place`` (the default with each place set at an
 outer step by the stage's usual steps, not the replica's own, ``sync.place_by_usual_steps``),
 ``cap2`` and ``cap1`` (the default with a pair's pseudo-gradient enlarged at most 2x, or
-never, for the steps it fell short: ``sync.max_step_scale``, 4 by default) and ``equal`` (the default rule with stage 1's four replicas at full speed: the spread ratio
-compares stages at two depths of the model, so this is what it reads with no unequal
-replica at all).
+never, for the steps it fell short: ``sync.max_step_scale``, 4 by default), ``across``
+(the default rule, each pair one of the two faster replicas and one of the two slower ones,
+at random, so no round pairs the fast together) and ``equal`` (the default rule with stage
+1's four replicas at full speed: the spread ratio compares stages at two depths of the
+model, so this is what it reads with no unequal replica at all).
 For each: the spread of the slow weights (RMS distance of each replica from its stage's
 mean) after every round, stage 1 against stage 2, and the final eval loss; same seeds, same
 data and same routes for every variant. With NoLoCo also, per round and stage, the *pair
@@ -70,8 +72,12 @@ VARIANTS = {
     "usual_place": {"sync.place_by_usual_steps": "true"},
     "cap2": {"sync.max_step_scale": "2"},
     "cap1": {"sync.max_step_scale": "1"},
+    "across": {},
     "equal": {},
 }
+ACROSS = frozenset({"across"})
+"""Variants whose pairs each join one of stage 1's two faster replicas to one of its two
+slower ones (``SimulatedSwarm.across``): no round pairs the fast two together."""
 EQUAL_STAGE1 = frozenset({"equal"})
 """Variants whose stage 1 runs four full-speed replicas, the default rule: the null for the
 spread ratio, which compares two stages at different depths of the model and so need not
@@ -108,7 +114,13 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     speeds = {} if variant in EQUAL_STAGE1 else {1: SPEEDS}
     fast = frozenset(i for i, v in enumerate(SPEEDS) if v == max(SPEEDS)) if speeds else None
     swarm = SimulatedSwarm(
-        config, 4, seed, speeds=speeds, clock_every=args.round, in_flight=args.in_flight
+        config,
+        4,
+        seed,
+        speeds=speeds,
+        clock_every=args.round,
+        in_flight=args.in_flight,
+        across=variant in ACROSS,
     )
     spreads: dict[str, list[float]] = {"1": [], "2": []}
     gaps: dict[str, list[float]] = {"1": [], "2": []}

@@ -44,6 +44,8 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
     assert ratios["shared"] < min(ratios["own_lr"], ratios["unpooled"], ratios["published"])
     # never enlarging (sync.max_step_scale 1) leaves the slow pairs short: a different stage
     assert ratios["cap1"] != ratios["shared"]
+    # pairing across speeds never puts the fast two together
+    assert not any(runs["across"]["stage1_split"])
     equal_spreads = [r["spread_mean"]["2"] for r in runs.values()]
     assert max(equal_spreads) < 1.05 * min(equal_spreads)
     # every round's two pairs moved apart by some fraction of their move, and stage 1's
@@ -127,3 +129,34 @@ def test_in_flight_reaches_the_swarm_and_stales_its_gradients(tmp_path: Path) ->
     (a,), (b,) = sync["runs"], stale["runs"]
     assert a["spread_mean"]["2"] > 0 and b["spread_mean"]["2"] > 0
     assert a["spread_mean"] != b["spread_mean"]
+
+
+def test_pairing_across_speeds_joins_each_fast_replica_to_a_slow_one_at_random() -> None:
+    import random
+    from types import SimpleNamespace
+
+    from bench.convergence_sim import SimulatedSwarm
+
+    def pairs(across: bool, seed: int, speeds: list[float]) -> set[frozenset[int]]:
+        rngs = {"pair_rng": random.Random(seed), "across_rng": random.Random(-seed)}
+        swarm = SimpleNamespace(**rngs, speeds={1: speeds}, across=across)
+        order = SimulatedSwarm._pairing(swarm, 1, len(speeds))  # type: ignore[arg-type]
+        assert sorted(order) == list(range(len(speeds)))
+        after = random.Random(seed)  # pair_rng drew one shuffle, with or without across
+        after.shuffle(list(range(len(speeds))))
+        assert rngs["pair_rng"].random() == after.random()
+        return {frozenset(p) for p in zip(order[0::2], order[1::2], strict=False)}
+
+    seen = set()
+    for seed in range(40):
+        got = pairs(True, seed, [1.0, 1.0, 0.5, 0.25])
+        assert all(len(p & {0, 1}) == 1 for p in got)  # one fast, one slow in every pair
+        seen.add(frozenset(got))
+    assert len(seen) == 2  # both matchings of the fast two to the slow two occur
+    # off, or with equal speeds, it is the published random pairing, the same draws as before
+    for seed in range(5):
+        plain = list(range(4))
+        random.Random(seed).shuffle(plain)
+        expected = {frozenset(p) for p in zip(plain[0::2], plain[1::2], strict=False)}
+        assert pairs(False, seed, [1.0, 1.0, 0.5, 0.25]) == expected
+        assert pairs(True, seed, [1.0] * 4) == expected
