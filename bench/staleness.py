@@ -54,13 +54,18 @@ from bench import add_output_args, add_set_arg
 from bench.convergence import SETTINGS
 from bench.convergence_sim import Curve, simulate
 from node.config import TrainConfig, parse_sets, resolve_config
+from node.data.dataset import DataConfig
 from node.stage.runner import staleness_units
 
 REPLICAS = 2
 """Replicas per stage: the live check's configuration."""
 VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr")
-DAEMON_SIZES = {"data.batch_size": "16", "data.seq_len": "128", "train.step_samples": "32"}
-"""The daemon's defaults (``node.data.dataset``, ``node.config.TrainConfig``)."""
+DAEMON_SIZES = {
+    "data.batch_size": str(DataConfig.batch_size),
+    "data.seq_len": str(DataConfig.seq_len),
+    "train.step_samples": str(TrainConfig.step_samples),
+}
+"""The daemon's defaults (16 x 128 tokens a microbatch, 32 samples an inner step)."""
 
 
 def log(msg: str) -> None:
@@ -96,6 +101,12 @@ def settings(
     }
 
 
+def units_per_2bw_step(s: dict[str, str], in_flight: int) -> int:
+    """Units of ``step_samples`` in one 2bw inner step with ``in_flight`` in flight."""
+    two_bw = {**s, "train.staleness": "2bw", "train.max_in_flight": str(in_flight)}
+    return staleness_units(resolve_config(overrides=two_bw))
+
+
 def peak_tokens(s: dict[str, str]) -> int:
     """Tokens (all heads) at the end of the warm-up: the peak learning rate."""
     return int(s["train.warmup_steps"]) * tokens_per_step(s)
@@ -114,10 +125,7 @@ def run(
     staleness = "stash" if variant in ("sync", "stash") else "2bw"
     s = settings(tokens, total_steps, staleness, outer_steps, extra)
     if variant == "2bw_lr":  # Adam's square-root rule for a batch k times larger
-        units = staleness_units(
-            resolve_config(overrides={**s, "train.max_in_flight": str(in_flight)})
-        )
-        s["train.lr"] = str(TrainConfig.lr * math.sqrt(units))
+        s["train.lr"] = str(TrainConfig.lr * math.sqrt(units_per_2bw_step(s, in_flight)))
     flight = in_flight if variant in ("stash", "2bw", "2bw_lr") else 1
     window = in_flight if variant == "sync_2bw_steps" else 0
     config = resolve_config(overrides=s)
@@ -233,12 +241,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    extra = {**(DAEMON_SIZES if args.daemon_sizes else {}), **parse_sets(args.set)}
+    sets = parse_sets(args.set)
+    extra = {**(DAEMON_SIZES if args.daemon_sizes else {}), **sets}
     num_evals = 4 if args.quick else 20
+    stem = args.name or "staleness"  # may hold a dot (b1_0.5): no with_suffix
     result: dict[str, Any] = {
         "in_flight": args.in_flight,
         "sizes": "daemon" if args.daemon_sizes else "live check",
-        "sets": parse_sets(args.set),
+        "sets": sets,
         "replicas_per_stage": REPLICAS,
         "outer_steps": args.outer_steps,
         "seeds": args.seeds,
@@ -264,21 +274,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for seed in args.seeds
             }
         name = f"{tokens:,} tokens, total_steps {s['train.total_steps']}"
-        two_bw = {**s, "train.staleness": "2bw", "train.max_in_flight": str(args.in_flight)}
         result["budgets"][name] = {
             "tokens": tokens,
             "settings": s,
-            "units_per_2bw_step": staleness_units(resolve_config(overrides=two_bw)),
+            "units_per_2bw_step": units_per_2bw_step(s, args.in_flight),
             "peak_lr_tokens": peak_tokens(s),
             "summary": summarise(runs, peak_tokens(s)),
             "runs": runs,
         }
         args.out.mkdir(parents=True, exist_ok=True)  # written after each budget
-        (args.out / f"{args.name or 'staleness'}.json").write_text(
-            json.dumps(result, indent=2) + "\n"
-        )
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
         if not args.no_plot:
-            plot(result, args.out / f"{args.name or 'staleness'}.png")
+            plot(result, args.out / f"{stem}.png")
     return result
 
 
