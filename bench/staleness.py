@@ -18,7 +18,13 @@ check's configuration (NoLoCo, H = 10, 2 replicas per stage, 8 samples per micro
 - ``sync_2bw_steps``: one in flight with 2bw's coarse inner steps, the control that tells
   what 2bw costs through its larger batch per step from what it saves in staleness;
 - ``2bw_lr``: 2bw with the learning rate times ``sqrt(k)`` for its ``k`` times larger batch
-  per step (the square-root scaling rule for Adam, Malladi et al. 2022, arXiv 2205.10287).
+  per step (the square-root scaling rule for Adam, Malladi et al. 2022, arXiv 2205.10287);
+- ``predict``: ``stash`` with ``train.predict_weights``: each block stage's training
+  forward runs on its weights extrapolated by the last inner step's move times its measured
+  delay (SpecTrain's weight prediction, ``node.stage.predict``);
+- ``sync_ahead``: ``sync`` with the same extrapolation by the delay ``stash`` has
+  (``train.predict_steps``, ``in_flight - 1`` microbatches in steps), the control that tells
+  whether ``predict`` buys back what staleness costs or what extrapolating buys anyway.
 
 Reports, per budget and seed, the final eval loss, the worst eval loss from the peak
 learning rate on, and the largest rise of the eval loss above its best so far (the bump
@@ -59,7 +65,7 @@ from node.stage.runner import staleness_units
 
 REPLICAS = 2
 """Replicas per stage: the live check's configuration."""
-VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr")
+VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr", "predict", "sync_ahead")
 DAEMON_SIZES = {
     "data.batch_size": str(DataConfig.batch_size),
     "data.seq_len": str(DataConfig.seq_len),
@@ -107,6 +113,13 @@ def units_per_2bw_step(s: dict[str, str], in_flight: int) -> int:
     return staleness_units(resolve_config(overrides=two_bw))
 
 
+def stash_delay(s: dict[str, str], in_flight: int) -> float:
+    """Inner steps a gradient lands after its forward under ``stash`` with ``in_flight`` in
+    flight: the ``in_flight - 1`` microbatches between, in steps of ``step_samples``."""
+    per_step = int(s["train.step_samples"]) / int(s["data.batch_size"])
+    return (in_flight - 1) / per_step
+
+
 def peak_tokens(s: dict[str, str]) -> int:
     """Tokens (all heads) at the end of the warm-up: the peak learning rate."""
     return int(s["train.warmup_steps"]) * tokens_per_step(s)
@@ -122,11 +135,15 @@ def run(
     extra: dict[str, str] | None = None,
     num_evals: int = 20,
 ) -> Curve:
-    staleness = "stash" if variant in ("sync", "stash") else "2bw"
+    staleness = "stash" if variant in ("sync", "stash", "predict", "sync_ahead") else "2bw"
     s = settings(tokens, total_steps, staleness, outer_steps, extra)
+    if variant in ("predict", "sync_ahead"):
+        s["train.predict_weights"] = "true"
+    if variant == "sync_ahead":
+        s["train.predict_steps"] = str(stash_delay(s, in_flight))
     if variant == "2bw_lr":  # Adam's square-root rule for a batch k times larger
         s["train.lr"] = str(TrainConfig.lr * math.sqrt(units_per_2bw_step(s, in_flight)))
-    flight = in_flight if variant in ("stash", "2bw", "2bw_lr") else 1
+    flight = in_flight if variant in ("stash", "2bw", "2bw_lr", "predict") else 1
     window = in_flight if variant == "sync_2bw_steps" else 0
     config = resolve_config(overrides=s)
     milestones = [0, *(tokens * (i + 1) // num_evals for i in range(num_evals))]
@@ -182,7 +199,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     budgets = result["budgets"]
     fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.5), squeeze=False)
-    styles = {"sync": "-", "stash": "--", "2bw": "-.", "sync_2bw_steps": ":", "2bw_lr": "-"}
+    styles = {
+        "sync": "-",
+        "stash": "--",
+        "2bw": "-.",
+        "sync_2bw_steps": ":",
+        "2bw_lr": "-",
+        "predict": (0, (5, 1, 1, 1)),
+        "sync_ahead": (0, (1, 1)),
+    }
     for ax, (name, b) in zip(axes[0], budgets.items(), strict=True):
         for i, variant in enumerate(VARIANTS):
             for j, c in enumerate(b["runs"].get(variant, {}).values()):
@@ -190,7 +215,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.plot(
                     [t / 1e3 for t in c["tokens"]],
                     c["eval_loss"],
-                    styles[variant],
+                    linestyle=styles[variant],
                     color=f"C{i}",
                     lw=1,
                     **kw,
@@ -278,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tokens": tokens,
             "settings": s,
             "units_per_2bw_step": units_per_2bw_step(s, args.in_flight),
+            "stash_delay_steps": stash_delay(s, args.in_flight),
             "peak_lr_tokens": peak_tokens(s),
             "summary": summarise(runs, peak_tokens(s)),
             "runs": runs,

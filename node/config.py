@@ -209,6 +209,17 @@ class TrainConfig:
     microbatch's forward and its backward. Step counts (``train.step``, the warm-up and
     schedule, ``sync.outer_steps``, seconds per step) stay in units of ``step_samples``
     samples: such an inner step counts as ``k``. Every replica of a stage must agree."""
+    predict_weights: bool = False
+    """Run a block stage's training forwards on the weights predicted for when their
+    gradient will be applied: the live weights plus the last inner step's move times the
+    replica's measured delay, in inner steps, between a forward and its backward
+    (SpecTrain's weight prediction, arXiv 1809.02839; ``node.stage.predict``). It costs a
+    copy of the stage's weights, plus one per microbatch in flight, and an add per weight
+    and forward. Off by default: measured in one process only (``bench/README.md``)."""
+    predict_steps: float = 0.0
+    """Diagnostics: with ``predict_weights``, extrapolate by this many inner steps instead of
+    the measured delay (0, the default: the delay). ``bench.staleness`` uses it to run the
+    same extrapolation without staleness, the control that tells what it buys."""
     max_queue: int = 32
     """Jobs a node accepts before it answers "busy" (memory bound)."""
     hop_timeout_s: float = 10.0
@@ -599,6 +610,8 @@ def _validate(c: Config) -> None:
         raise ValueError(f"recovery.lr_boost_steps must be >= 0, got {c.recovery.lr_boost_steps}")
     if c.train.slowdown < 1:
         raise ValueError(f"train.slowdown must be at least 1, got {c.train.slowdown}")
+    if not c.train.predict_steps >= 0:  # NaN too
+        raise ValueError(f"train.predict_steps must be >= 0, got {c.train.predict_steps}")
     if not (c.train.route_cutoff == 0 or c.train.route_cutoff >= 1):
         raise ValueError(
             f"train.route_cutoff must be 0 (SWARM's draw) or at least 1, got {c.train.route_cutoff}"

@@ -295,6 +295,7 @@ class Node:
             "grad_norm_preclip": r.thermo.grad_norm_preclip if r else 0.0,
             "attn_logit_max": {str(k): v for k, v in r.thermo.attn_logit_max.items()} if r else {},
             "steps_skipped": r.grad_guard.num_spikes if r else 0,
+            "grad_delay_steps": round(r.predictor.delay, 2) if r else 0.0,
             "lr_scale": r.current_lr_scale() if r else 1.0,
             "lr": r.current_lr() if r else 0.0,
             "schedule_step": round(r.schedule_step, 1) if r else 0.0,

@@ -204,10 +204,12 @@ def _thermometers(st: dict[str, Any]) -> str:
     logits = st.get("attn_logit_max") or {}
     top = f", max attention logit {max(logits.values()):.1f}" if logits else ""
     skipped = st.get("steps_skipped", 0)
+    delay = st.get("grad_delay_steps", 0.0)
     scale = st.get("lr_scale", 1.0)
     return (
         f"  thermometers: grad norm {st.get('grad_norm_preclip', 0.0):.3g} before clipping, "
         f"activations [{st['act_min']:.3g}, {st['act_max']:.3g}]{top}"
+        + (f", gradients {delay:.1f} steps late" if delay else "")
         + (f", {skipped} step(s) skipped as spikes" if skipped else "")
         + (f", learning rate x{scale:g}" if scale != 1.0 else "")
     )

@@ -249,6 +249,13 @@ def _stage_families(st: dict[str, Any]) -> Iterator[Metric]:
         _num(st.get("grad_norm_preclip", 0.0)),
         s,
     )
+    yield _gauge(
+        "murmur_gradient_delay_steps",
+        "Inner steps between a microbatch's forward and its backward on this replica "
+        "(moving average): the pipeline's staleness.",
+        _num(st.get("grad_delay_steps", 0.0)),
+        s,
+    )
     yield _counter(
         "murmur_inner_steps_skipped",
         "Inner steps skipped: their gradient norm spiked or was not finite.",

@@ -28,15 +28,17 @@ def test_every_variant_runs_and_each_changes_what_it_claims_to(tmp_path: Path) -
     (budget,) = result["budgets"].values()
     assert set(budget["runs"]) == set(staleness.VARIANTS)
     assert all(math.isfinite(x) for v in staleness.VARIANTS for x in finals(result, v))
-    # 3 in flight x 8 samples over 8 samples a step: a 2bw step is 3 units
-    assert budget["units_per_2bw_step"] == 3
+    # 3 in flight x 8 samples over 8 samples a step: a 2bw step is 3 units, and a stale
+    # gradient lands 2 steps late, by which sync_ahead extrapolates
+    assert budget["units_per_2bw_step"] == 3 and budget["stash_delay_steps"] == 2
     # the emulation is deterministic: a variant that changed nothing would end where sync does
     sync = finals(result, "sync")
-    for variant in ("stash", "2bw", "sync_2bw_steps", "2bw_lr"):
+    for variant in ("stash", "2bw", "sync_2bw_steps", "2bw_lr", "predict", "sync_ahead"):
         assert finals(result, variant) != sync, variant
+    assert finals(result, "predict") != finals(result, "stash")  # the prediction did move
     assert finals(result, "2bw") != finals(result, "sync_2bw_steps")  # staleness, one step
     steps = {v: r["0"]["inner_steps"] for v, r in budget["runs"].items()}
-    assert steps["sync"] == steps["stash"]  # the same units per token either way
+    assert steps["sync"] == steps["stash"] == steps["predict"] == steps["sync_ahead"]
     assert steps["2bw"] == steps["sync_2bw_steps"] and steps["2bw"] % 3 == 0
 
 
@@ -54,6 +56,6 @@ def test_the_daemon_sizes_put_two_microbatches_in_a_step_and_sets_reach_every_ru
     assert (s["data.batch_size"], s["data.seq_len"], s["train.step_samples"]) == ("16", "128", "32")
     assert s["train.betas"] == "0.7,0.999" and result["sets"] == {"train.betas": "0.7,0.999"}
     # 3 in flight x 16 samples over 32 a unit: 2bw steps every 2 units
-    assert budget["units_per_2bw_step"] == 2
+    assert budget["units_per_2bw_step"] == 2 and budget["stash_delay_steps"] == 1  # 2 over 2
     assert not (tmp_path / "staleness.png").exists()
     assert finals(result, "stash") != finals(result, "2bw")

@@ -45,6 +45,8 @@ def test_model_preset_then_overrides(tmp_path: Path) -> None:
         ({"train.wire_codec": "zip"}, "wire_codec"),
         ({"train.route_cutoff": "0.5"}, "route_cutoff must be 0"),
         ({"sync.max_step_scale": "0.5"}, "max_step_scale must be at least 1"),
+        ({"train.predict_steps": "-1"}, "predict_steps must be >= 0"),
+        ({"train.predict_steps": "nan"}, "predict_steps must be >= 0"),
     ],
 )
 def test_clear_errors(overrides: dict[str, str], message: str) -> None:

@@ -69,6 +69,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "murmur_loss_spikes_skipped": ("counter", set()),
     "murmur_grad_norm_preclip": ("gauge", {"stage"}),
     "murmur_inner_steps_skipped": ("counter", {"stage"}),
+    "murmur_gradient_delay_steps": ("gauge", {"stage"}),
     "murmur_lr_scale": ("gauge", {"stage"}),
     "murmur_learning_rate": ("gauge", {"stage"}),
     "murmur_attention_logit_max": ("gauge", {"stage", "block"}),
@@ -197,6 +198,7 @@ def head_status(**changes: Any) -> dict[str, Any]:
         },
         "attn_logit_max": {"0": 11.5, "1": 12.25},
         "steps_skipped": 2,
+        "grad_delay_steps": 2.25,
         "lr_scale": 1.1,
         "lr": 0.00125,
         "schedule_step": 40.5,
@@ -365,6 +367,7 @@ def test_values_come_from_the_node_state() -> None:
     assert one("murmur_grad_norm_preclip", stage="0") == 3.5
     assert one("murmur_attention_logit_max", stage="0", block="1") == 12.25
     assert one("murmur_inner_steps_skipped_total", stage="0") == 2
+    assert one("murmur_gradient_delay_steps", stage="0") == 2.25
     assert one("murmur_lr_scale", stage="0") == 1.1
     assert one("murmur_learning_rate", stage="0") == 0.00125
     assert one("murmur_reachability", state="direct") == 1.0

@@ -74,9 +74,12 @@ def start(s: LocalSwarm, stages: list[int]) -> list[str]:
     return addresses
 
 
-def test_swarm_trains_and_eval_loss_falls(swarm: Any) -> None:
-    s = swarm()
-    head, *_ = start(s, [0, 1, 2, 3])
+@pytest.mark.parametrize("predict", [False, True])
+def test_swarm_trains_and_eval_loss_falls(swarm: Any, predict: bool) -> None:
+    """With weight prediction (``train.predict_weights``) as without: the block stages run
+    their forwards ahead by the delay they measure, and the swarm still learns."""
+    s = swarm(**{"train.predict_weights": str(predict).lower()})
+    head, *blocks = start(s, [0, 1, 2, 3])
     before = request_eval(head)
     wait_for(lambda: fetch_status(head)["step"] >= 60, 150, "60 head steps")
     after = request_eval(head)
@@ -87,6 +90,8 @@ def test_swarm_trains_and_eval_loss_falls(swarm: Any) -> None:
     # its table holds stages 3, 0 and 1; stage 2 it knows from its neighbours' summaries
     assert {k: len(v) for k, v in st["peers"].items()} == {"0": 0, "1": 1, "3": 1}
     assert {k: v["ready"] for k, v in st["stages"].items()} == {"0": 1, "1": 1, "2": 1, "3": 1}
+    # 4 in flight: each block stage's gradients land steps after their forwards
+    assert all(fetch_status(b)["grad_delay_steps"] > 0 for b in blocks), blocks
 
 
 def test_killing_one_of_two_replicas_does_not_stop_training(swarm: Any) -> None:

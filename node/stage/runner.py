@@ -41,12 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.func import functional_call
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from node.config import Config, TrainConfig
 from node.stage.adam import Adam
 from node.stage.model import Attention, BlockStage, HeadStage, build_stage
 from node.stage.outer import Encoded, Offer, OuterState, is_place
+from node.stage.predict import WeightPredictor
 from node.stage.speed import configure_compute_thread
 from node.stage.spikes import SpikeGuard
 from node.stage.stash import WeightStash
@@ -111,6 +113,8 @@ class _Saved:
     epoch: int
     """The weights' epoch the graph was built with (``node.stage.stash``)."""
     created_s: float
+    step: int
+    """The runner's ``step`` at the forward: the backward's delay is counted from it."""
 
 
 @dataclass
@@ -198,6 +202,11 @@ class StageRunner:
         self.outer: OuterState
         self._saved: dict[str, _Saved] = {}
         self.stash = WeightStash()
+        self.predictor = WeightPredictor(
+            config.train.predict_weights and stage > 0, config.train.predict_steps
+        )
+        """Measures the gradient delay; with ``train.predict_weights``, a block stage's
+        training forwards run on the weights predicted for when their gradient lands."""
         self.thermo = Thermometers()
         self.grad_guard = SpikeGuard(config.train.spike_grad_multiple)
         """Skips an inner step whose gradient norm (before clipping) spikes."""
@@ -262,9 +271,13 @@ class StageRunner:
             self.num_forwards += 1
             observe = self.num_forwards % LOGITS_EVERY == 1
             self._observe_logits(observe)
+            ahead = self.predictor.weights(list(self.module.named_parameters()), self.stash.epoch)
             with self._autocast(), self.stash.hooks(self.module):
-                out = self.module(x).float()
-            self._saved[mb_id] = _Saved(x, out, self.stash.epoch, time.monotonic())
+                if ahead is None:
+                    out = self.module(x).float()
+                else:  # the graph refers to the predicted tensors, not to the live weights
+                    out = functional_call(self.module, ahead, (x,)).float()
+            self._saved[mb_id] = _Saved(x, out, self.stash.epoch, time.monotonic(), self.step)
             if observe:
                 self._observe_logits(False)
         self._observe_activations(out)
@@ -275,6 +288,7 @@ class StageRunner:
         """Gradient w.r.t. the input of ``mb_id``; accumulates parameter gradients."""
         t0 = time.perf_counter()
         saved = self._saved.pop(mb_id)
+        self.predictor.observe((self.step - saved.step) / self.step_units)
         x = saved.x
         saved.out.backward(grad_out.to(self.device, torch.float32))
         self.stash.drop_unused(self._live_epochs)
@@ -435,7 +449,9 @@ class StageRunner:
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr()
         self._weights_change()
+        before = self.predictor.before_step(params)
         self.optimizer.step()
+        self.predictor.after_step(params, before, self.stash.epoch)
         self.optimizer.zero_grad(set_to_none=True)
         if kept is not None:
             for p, held in zip(params, kept, strict=True):
