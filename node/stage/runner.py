@@ -271,7 +271,7 @@ class StageRunner:
             self.num_forwards += 1
             observe = self.num_forwards % LOGITS_EVERY == 1
             self._observe_logits(observe)
-            ahead = self.predictor.weights(list(self.module.named_parameters()), self.stash.epoch)
+            ahead = self.predictor.weights(self.module.named_parameters(), self.stash.epoch)
             with self._autocast(), self.stash.hooks(self.module):
                 if ahead is None:
                     out = self.module(x).float()
