@@ -105,10 +105,12 @@ def test_a_training_forward_runs_on_the_predicted_weights_and_its_backward_there
     assert not torch.allclose(out, r.module(x).detach(), atol=1e-4)  # the prediction moved it
     # an eval forward runs on the live weights
     assert torch.allclose(r.block_forward("e", x, train=False), r.module(x).detach(), atol=1e-5)
-    # the backward is the predicted weights' own, whatever steps came between
+    # the backward is the predicted weights' own, whatever steps came between, and no
+    # copy of the live weights was stashed for it: its graph holds the predicted ones
     for i in range(2):
         r.block_forward(f"q{i}", torch.randn(2, 8, 128), train=True)
         r.block_backward(f"q{i}", torch.randn(2, 8, 128))
+    assert r.num_saved == 4 and r.stash.num_stashed == 0
     want.backward(g)
     assert xr.grad is not None
     assert torch.allclose(r.block_backward("p", g), xr.grad, atol=1e-5)

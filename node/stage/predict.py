@@ -3,7 +3,7 @@
 With microbatches in flight, a block stage's gradient lands some inner steps after its
 forward. Weight stashing (``node.stage.stash``) keeps the backward on the forward's weights,
 so the gradient is a true one, but of weights ``tau`` steps old, applied to today's. SpecTrain
-(Chen, Yang and Cheng, 2018, arXiv 1809.02839, section 4) predicts instead where the
+(Chen, Yang and Cheng, 2018, arXiv 1809.02839) predicts instead where the
 weights will be when the gradient is applied, and runs the forward, and so the backward,
 there: the live weights plus ``tau`` times their velocity, the optimizer's recent move per
 step (the smoothed gradient times the learning rate, for its momentum SGD). Our optimizer is

@@ -64,6 +64,9 @@ from swarm.schedule import Pace
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+NO_EPOCH = -1
+"""A saved graph's epoch when it refers to no live weights: none of them need stashing."""
+
 RATE_DECAY = 0.95
 """Per piece of work (a forward, a backward) decay of the service-rate sums: ~20 pieces."""
 
@@ -111,7 +114,8 @@ class _Saved:
     x: torch.Tensor
     out: torch.Tensor
     epoch: int
-    """The weights' epoch the graph was built with (``node.stage.stash``)."""
+    """The weights' epoch the graph was built with (``node.stage.stash``), or ``NO_EPOCH``
+    when it was built on predicted weights (``node.stage.predict``), which it holds itself."""
     created_s: float
     step: int
     """The runner's ``step`` at the forward: the backward's delay is counted from it."""
@@ -277,7 +281,8 @@ class StageRunner:
                     out = self.module(x).float()
                 else:  # the graph refers to the predicted tensors, not to the live weights
                     out = functional_call(self.module, ahead, (x,)).float()
-            self._saved[mb_id] = _Saved(x, out, self.stash.epoch, time.monotonic(), self.step)
+            epoch = self.stash.epoch if ahead is None else NO_EPOCH  # nothing to stash for it
+            self._saved[mb_id] = _Saved(x, out, epoch, time.monotonic(), self.step)
             if observe:
                 self._observe_logits(False)
         self._observe_activations(out)
