@@ -66,6 +66,10 @@ from node.stage.runner import staleness_units
 REPLICAS = 2
 """Replicas per stage: the live check's configuration."""
 VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr", "predict", "sync_ahead")
+STALE = frozenset({"stash", "2bw", "2bw_lr", "predict"})
+"""Variants with ``in_flight`` microbatches in flight; the others keep one."""
+TWO_BW = frozenset({"2bw", "sync_2bw_steps", "2bw_lr"})
+"""Variants on ``train.staleness = 2bw``'s coarse steps; the others step as ``stash``."""
 DAEMON_SIZES = {
     "data.batch_size": str(DataConfig.batch_size),
     "data.seq_len": str(DataConfig.seq_len),
@@ -135,7 +139,7 @@ def run(
     extra: dict[str, str] | None = None,
     num_evals: int = 20,
 ) -> Curve:
-    staleness = "stash" if variant in ("sync", "stash", "predict", "sync_ahead") else "2bw"
+    staleness = "2bw" if variant in TWO_BW else "stash"
     s = settings(tokens, total_steps, staleness, outer_steps, extra)
     if variant in ("predict", "sync_ahead"):
         s["train.predict_weights"] = "true"
@@ -143,7 +147,7 @@ def run(
         s["train.predict_steps"] = str(stash_delay(s, in_flight))
     if variant == "2bw_lr":  # Adam's square-root rule for a batch k times larger
         s["train.lr"] = str(TrainConfig.lr * math.sqrt(units_per_2bw_step(s, in_flight)))
-    flight = in_flight if variant in ("stash", "2bw", "2bw_lr", "predict") else 1
+    flight = in_flight if variant in STALE else 1
     window = in_flight if variant == "sync_2bw_steps" else 0
     config = resolve_config(overrides=s)
     milestones = [0, *(tokens * (i + 1) // num_evals for i in range(num_evals))]
