@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from node.config import resolve_config
 from node.stage.predict import DELAY_WEIGHT, WeightPredictor
 from node.stage.runner import StageRunner
+from tests.test_runner import built, pipelined_runner
 
 
 def test_the_delay_is_a_moving_average_that_starts_at_the_first_observation() -> None:
@@ -48,17 +48,9 @@ def test_fixed_steps_replace_the_measured_delay() -> None:
     assert ahead is not None and float(ahead["w"]) == 2.0 + 1.5 * 2.0
 
 
-def predicting(on: bool, stage: int = 1) -> StageRunner:
+def predicting(on: bool) -> StageRunner:
     """A block runner stepping at every microbatch of 2 samples, fed 4 in flight."""
-    settings = {
-        "train.step_samples": "2",
-        "data.batch_size": "2",
-        "train.max_in_flight": "4",
-        "train.predict_weights": "true" if on else "false",
-    }
-    r = StageRunner(resolve_config(None, {}, settings), stage)
-    r._build()
-    return r
+    return pipelined_runner("stash", **{"train.predict_weights": str(on).lower()})
 
 
 def run_pipelined(r: StageRunner, n: int = 12, in_flight: int = 4) -> tuple[list[int], list]:
@@ -136,4 +128,4 @@ def test_off_the_delay_is_measured_and_the_forward_uses_the_live_weights() -> No
 def test_the_head_stage_never_predicts() -> None:
     """Its embedding's gradient is recomputed at the backward and its loss side's has no
     delay: there is nothing to predict for."""
-    assert not predicting(True, stage=0).predictor.enabled
+    assert not built({"train.predict_weights": "true"}, stage=0).predictor.enabled

@@ -57,8 +57,18 @@ class WeightPredictor:
             self.delay += DELAY_WEIGHT * (float(steps) - self.delay)
 
     def before_step(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Copies of the weights an inner step is about to change (None when disabled)."""
-        return [p.detach().clone() for p in params] if self.enabled else None
+        """Copies of the weights an inner step is about to change (None when disabled), in
+        the last move's buffers: no forward's graph refers to them (a prediction is a new
+        tensor), so one copy of the weights is all this ever holds."""
+        if not self.enabled:
+            return None
+        if self._move is None:
+            return [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for m, p in zip(self._move, params, strict=True):
+                m.copy_(p.detach())
+        self._epoch = -1  # no prediction from these until the step's move is in them
+        return self._move
 
     def after_step(
         self, params: Sequence[torch.Tensor], before: list[torch.Tensor] | None, epoch: int
