@@ -298,13 +298,15 @@ def test_a_noloco_pair_shares_its_place_in_the_learning_rate_schedule() -> None:
 
 def test_a_replica_short_of_the_usual_steps_decays_its_inner_momentum() -> None:
     """At an outer step on the clock, a replica that took 2 inner steps where the stage's
-    usual is 5 scales Adam's first moment by 0.9 ** 3 (``swarm.outer.momentum_decay``) and
-    leaves the second moment alone (``sync.decay_momentum`` on); at the usual pace, off the
-    clock (no usual count) or with the setting off (the default), nothing changes."""
+    usual is 5 scales Adam's first moment by beta1 ** 3, 0.9 ** 3 here
+    (``swarm.outer.momentum_decay``), and leaves the second moment alone
+    (``sync.decay_momentum`` on); at the usual pace, off the clock (no usual count) or with
+    the setting off (the default), nothing changes."""
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
 
     def stepped(**sync: str) -> StageRunner:
-        r = built({"train.step_samples": "4", **{f"sync.{k}": v for k, v in sync.items()}})
+        settings = {"train.step_samples": "4", "train.betas": "0.9,0.999"}
+        r = built({**settings, **{f"sync.{k}": v for k, v in sync.items()}})
         for k in range(2):  # two inner steps of two microbatches
             for mb in (f"a{k}", f"b{k}"):
                 r.block_forward(mb, x, train=True)
@@ -342,7 +344,8 @@ def test_on_the_clock_places_advance_by_the_stages_usual_steps_not_each_replicas
     x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
 
     def stepped(steps: int, **sync: str) -> StageRunner:
-        r = built({"train.step_samples": "4", **{f"sync.{k}": v for k, v in sync.items()}})
+        settings = {"train.step_samples": "4", "train.betas": "0.9,0.999"}
+        r = built({**settings, **{f"sync.{k}": v for k, v in sync.items()}})
         for k in range(steps):  # inner steps of two microbatches of 2 samples
             for mb in (f"a{k}", f"b{k}"):
                 r.block_forward(mb, x, train=True)
