@@ -39,15 +39,18 @@ def test_every_variant_runs_on_the_same_routes_and_the_rule_keeps_the_stage_clos
     shared = runs["shared"]["schedule_places"]["1"]
     assert max(shared) - min(shared) < (fast_a - slow4) / 2
     # the rule (pooled per step, one schedule) spreads the unequal stage least; the equal
-    # stage is the same in every variant (its replicas' places and steps are all equal)
+    # stage's replicas' places and steps are the same in every variant
     ratios = {v: r["spread_ratio"] for v, r in runs.items()}
     assert ratios["shared"] < min(ratios["own_lr"], ratios["unpooled"], ratios["published"])
     # never enlarging (sync.max_step_scale 1) leaves the slow pairs short: a different stage
     assert ratios["cap1"] != ratios["shared"]
     # pairing across speeds never puts the fast two together
     assert not any(runs["across"]["stage1_split"])
+    # the variants move the unequal stage; the equal one only through its inputs, far less
+    unequal_spreads = [r["spread_mean"]["1"] for r in runs.values()]
     equal_spreads = [r["spread_mean"]["2"] for r in runs.values()]
-    assert max(equal_spreads) < 1.05 * min(equal_spreads)
+    unequal_range = max(unequal_spreads) / min(unequal_spreads) - 1
+    assert max(equal_spreads) / min(equal_spreads) - 1 < unequal_range / 4
     # every round's two pairs moved apart by some fraction of their move, and stage 1's
     # rounds are counted as split (fast with fast) or mixed
     for r in [*runs.values(), null]:

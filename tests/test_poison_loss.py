@@ -16,11 +16,17 @@ parts run in lockstep in this process, with every random choice seeded:
   ``node.services.sync.weight_screen``, the daemon's screen; a refusal bans the partner for good
   and the replica takes a solo step, as ``node.services.sync.SyncService`` does.
 
-Two runs with the same seeds are bit-identical (tested over three rounds), so a poisoned run against a clean
-one measures the poison's effect and nothing else. The poisoner is the last block replica,
-its outgoing offers corrupted by ``sync.debug_poison`` (x1000, or NaN); the others' eval
-loss must stay within 1 % of the clean run's. With the screen's distance rule off the same
-x1000 poisoner wrecks them (tested), so the bound is not met by accident.
+Two runs with the same seeds are bit-identical (tested over three rounds), so a poisoned run
+against a control measures the poison's effect and nothing else. The poisoner is the last
+block replica, its outgoing offers corrupted by ``sync.debug_poison`` (x1000, or NaN); the
+others' eval loss must stay within 1 % of the control's. The control is not the clean run:
+once the others ban the poisoner, three replicas pair and one steps alone each round, and
+with the inner Adam's beta1 at 0.5 (the default) the one left alone in the last round ends
+about 4 % above the clean run's paired replicas, poison or not (0.4 % at 0.9). So the control
+is the same swarm with an honest last replica that the others refuse at the same draws:
+the same bans, the same pairs, only the refused offers' contents differ. With the screen's
+distance rule off the same x1000 poisoner wrecks them (tested), so the bound is not met by
+accident.
 """
 
 from __future__ import annotations
@@ -97,10 +103,13 @@ def train(
     screen_multiple: str | None = None,
     rounds: int = ROUNDS,
     until_wrecked: bool = False,
+    refuse_last: bool = False,
 ) -> Run:
     """``rounds`` outer rounds, then the eval loss through each block replica. With
     ``until_wrecked``, fewer: training stops once every honest replica's slow weights sum to
-    over ten times the poisoner's own (a x1000 offer averaged in) or are not finite."""
+    over ten times the poisoner's own (a x1000 offer averaged in) or are not finite. With
+    ``refuse_last``, the others refuse the last replica's first offer to each of them as the
+    screen refuses a poisoned one, and ban it."""
     extra = {} if screen_multiple is None else {"sync.screen_multiple": screen_multiple}
     base, poisoned = config(extra), config({**extra, "sync.debug_poison": poison})
     torch.manual_seed(0)
@@ -160,7 +169,9 @@ def train(
             b, offer = blocks[k], None
             if k in partner:
                 offer = b.decode_offer(offers[partner[k]])
-                if screens[k].judge(offer.distance, offer.scale, offer.movement) is not None:
+                refused = refuse_last and partner[k] == REPLICAS - 1
+                judged = screens[k].judge(offer.distance, offer.scale, offer.movement)
+                if refused or judged is not None:
                     run.refused[k] += 1
                     run.banned[k].add(partner[k])
                     offer = None
@@ -200,12 +211,20 @@ def test_runs_with_the_same_seeds_are_identical(clean: Run) -> None:
     assert all(math.isfinite(x) and x < 4.5 for x in clean.eval_loss), clean.eval_loss
 
 
+@pytest.fixture(scope="module")
+def left() -> Run:
+    return train(refuse_last=True)
+
+
 @pytest.mark.parametrize("poison", ["scale:1000", "nan"])
-def test_a_poisoner_moves_the_others_eval_loss_by_under_1_percent(clean: Run, poison: str) -> None:
+def test_a_poisoner_moves_the_others_eval_loss_by_under_1_percent(
+    clean: Run, left: Run, poison: str
+) -> None:
     run = train(poison)
-    change = [p / c - 1 for p, c in zip(run.honest_loss, clean.honest_loss, strict=True)]
+    change = [p / c - 1 for p, c in zip(run.honest_loss, left.honest_loss, strict=True)]
     print(
-        f"{poison}: clean {[round(x, 4) for x in clean.honest_loss]}, poisoned "
+        f"{poison}: clean {[round(x, 4) for x in clean.honest_loss]}, honest last replica "
+        f"refused {[round(x, 4) for x in left.honest_loss]}, poisoned "
         f"{[round(x, 4) for x in run.honest_loss]}, change {[f'{c:+.3%}' for c in change]}, "
         f"refused {run.refused}"
     )
@@ -213,6 +232,8 @@ def test_a_poisoner_moves_the_others_eval_loss_by_under_1_percent(clean: Run, po
     # whoever drew the poisoner refused it once and never paired with it again
     assert all(r <= 1 for r in run.refused[:poisoner]) and sum(run.refused) >= 1
     assert all(poisoner in run.banned[k] for k in range(poisoner) if run.refused[k])
+    # the control refused at the same draws: the same bans, so the same pairs
+    assert left.refused == run.refused and left.banned == run.banned
     assert all(abs(c) <= BOUND for c in change)
 
 
