@@ -64,7 +64,8 @@ from node.data.dataset import DataConfig
 from node.stage.runner import staleness_units
 
 REPLICAS = 2
-"""Replicas per stage: the live check's configuration."""
+"""Replicas per stage by default (``--replicas``): the live check's configuration. With two
+a NoLoCo pair is the whole stage; with an odd number one replica steps alone each round."""
 VARIANTS = ("sync", "stash", "2bw", "sync_2bw_steps", "2bw_lr", "predict", "sync_ahead")
 STALE = frozenset({"stash", "2bw", "2bw_lr", "predict"})
 """Variants with ``in_flight`` microbatches in flight; the others keep one."""
@@ -82,9 +83,9 @@ def log(msg: str) -> None:
     print(f"[staleness {time.strftime('%X')}] {msg}", file=sys.stderr, flush=True)
 
 
-def tokens_per_step(s: dict[str, str]) -> int:
+def tokens_per_step(s: dict[str, str], replicas: int = REPLICAS) -> int:
     """Tokens of one inner step (one unit of ``step_samples``) on all of a stage's replicas."""
-    return int(s["train.step_samples"]) * int(s["data.seq_len"]) * REPLICAS
+    return int(s["train.step_samples"]) * int(s["data.seq_len"]) * replicas
 
 
 def settings(
@@ -93,13 +94,14 @@ def settings(
     staleness: str,
     outer_steps: int,
     extra: dict[str, str] | None = None,
+    replicas: int = REPLICAS,
 ) -> dict[str, str]:
     """The live check's settings, with ``extra`` over them (``DAEMON_SIZES``, ``--set``);
     ``total_steps`` 0: the cosine spans the budget, as in the study (the live check's own,
     61, is the warm-up and then at once the floor)."""
     base = {**SETTINGS, **(extra or {})}
     warmup = int(base["train.warmup_steps"])
-    total_steps = total_steps or max(tokens // tokens_per_step(base), warmup + 1)
+    total_steps = total_steps or max(tokens // tokens_per_step(base, replicas), warmup + 1)
     return {
         **base,
         "swarm.model": "tiny",
@@ -124,9 +126,9 @@ def stash_delay(s: dict[str, str], in_flight: int) -> float:
     return (in_flight - 1) / per_step
 
 
-def peak_tokens(s: dict[str, str]) -> int:
+def peak_tokens(s: dict[str, str], replicas: int = REPLICAS) -> int:
     """Tokens (all heads) at the end of the warm-up: the peak learning rate."""
-    return int(s["train.warmup_steps"]) * tokens_per_step(s)
+    return int(s["train.warmup_steps"]) * tokens_per_step(s, replicas)
 
 
 def run(
@@ -138,9 +140,10 @@ def run(
     outer_steps: int,
     extra: dict[str, str] | None = None,
     num_evals: int = 20,
+    replicas: int = REPLICAS,
 ) -> Curve:
     staleness = "2bw" if variant in TWO_BW else "stash"
-    s = settings(tokens, total_steps, staleness, outer_steps, extra)
+    s = settings(tokens, total_steps, staleness, outer_steps, extra, replicas)
     if variant in ("predict", "sync_ahead"):
         s["train.predict_weights"] = "true"
     if variant == "sync_ahead":
@@ -153,13 +156,13 @@ def run(
     milestones = [0, *(tokens * (i + 1) // num_evals for i in range(num_evals))]
     t0 = time.monotonic()
     curve = simulate(
-        config, REPLICAS, seed, tokens, milestones=milestones, in_flight=flight, window=window
+        config, replicas, seed, tokens, milestones=milestones, in_flight=flight, window=window
     )
     log(
         f"{tokens:>9,} tokens (T {s['train.total_steps']}) seed {seed} {variant:>14}: "
         f"final {curve.eval_loss[-1]:.3f}, worst from the peak "
-        f"{worst_after(curve, peak_tokens(s)):.3f}, largest rise {largest_rise(curve):.3f}, "
-        f"{curve.inner_steps} step units ({time.monotonic() - t0:.0f} s)"
+        f"{worst_after(curve, peak_tokens(s, replicas)):.3f}, "
+        f"largest rise {largest_rise(curve):.3f}, {curve.inner_steps} step units ({time.monotonic() - t0:.0f} s)"
     )
     return curve
 
@@ -245,6 +248,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--in-flight", type=int, default=6, help="microbatches in flight per head")
     p.add_argument("--outer-steps", type=int, default=10, help="H (the live check's)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=REPLICAS,
+        help="replicas per stage (odd: one steps alone each round)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument(
         "--daemon-sizes",
@@ -278,13 +287,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "in_flight": args.in_flight,
         "sizes": "daemon" if args.daemon_sizes else "live check",
         "sets": sets,
-        "replicas_per_stage": REPLICAS,
+        "replicas_per_stage": args.replicas,
         "outer_steps": args.outer_steps,
         "seeds": args.seeds,
         "budgets": {},
     }
     for tokens, total_steps in args.budgets:
-        s = settings(tokens, total_steps, "<variant>", args.outer_steps, extra)
+        s = settings(tokens, total_steps, "<variant>", args.outer_steps, extra, args.replicas)
         runs: dict[str, dict[str, Any]] = {}
         for variant in args.variants:
             runs[variant] = {
@@ -298,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         args.outer_steps,
                         extra,
                         num_evals,
+                        args.replicas,
                     )
                 )
                 for seed in args.seeds
@@ -308,8 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "settings": s,
             "units_per_2bw_step": units_per_2bw_step(s, args.in_flight),
             "stash_delay_steps": stash_delay(s, args.in_flight),
-            "peak_lr_tokens": peak_tokens(s),
-            "summary": summarise(runs, peak_tokens(s)),
+            "peak_lr_tokens": peak_tokens(s, args.replicas),
+            "summary": summarise(runs, peak_tokens(s, args.replicas)),
             "runs": runs,
         }
         args.out.mkdir(parents=True, exist_ok=True)  # written after each budget

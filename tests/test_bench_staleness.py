@@ -59,3 +59,21 @@ def test_the_daemon_sizes_put_two_microbatches_in_a_step_and_sets_reach_every_ru
     assert budget["units_per_2bw_step"] == 2 and budget["stash_delay_steps"] == 1  # 2 over 2
     assert not (tmp_path / "staleness.png").exists()
     assert finals(result, "stash") != finals(result, "2bw")
+
+
+@pytest.mark.inprocess
+def test_with_three_replicas_a_step_takes_half_again_the_tokens(tmp_path: Path) -> None:
+    """``--replicas 3``: the same tokens spread over three replicas of each stage (one of
+    them steps alone each round), so each takes about two thirds of the steps."""
+    args = ["--quick", "--variants", "sync", "--no-plot", "--out", str(tmp_path)]
+    two = staleness.main(args)
+    three = staleness.main([*args, "--replicas", "3"])
+    assert (two["replicas_per_stage"], three["replicas_per_stage"]) == (2, 3)
+    (steps_two,) = [
+        r["0"]["inner_steps"] for b in two["budgets"].values() for r in b["runs"].values()
+    ]
+    (steps_three,) = [
+        r["0"]["inner_steps"] for b in three["budgets"].values() for r in b["runs"].values()
+    ]
+    assert abs(steps_three - 2 * steps_two / 3) <= 1
+    assert math.isfinite(finals(three, "sync")[0]) and finals(three, "sync") != finals(two, "sync")
