@@ -162,7 +162,8 @@ def run(
         f"{tokens:>9,} tokens (T {s['train.total_steps']}) seed {seed} {variant:>14}: "
         f"final {curve.eval_loss[-1]:.3f}, worst from the peak "
         f"{worst_after(curve, peak_tokens(s, replicas)):.3f}, "
-        f"largest rise {largest_rise(curve):.3f}, {curve.inner_steps} step units ({time.monotonic() - t0:.0f} s)"
+        f"largest rise {largest_rise(curve):.3f}, {curve.inner_steps} step units "
+        f"({time.monotonic() - t0:.0f} s)"
     )
     return curve
 

@@ -169,9 +169,9 @@ def train(
             b, offer = blocks[k], None
             if k in partner:
                 offer = b.decode_offer(offers[partner[k]])
-                refused = refuse_last and partner[k] == REPLICAS - 1
-                judged = screens[k].judge(offer.distance, offer.scale, offer.movement)
-                if refused or judged is not None:
+                refused = refuse_last and partner[k] == REPLICAS - 1  # the screen never sees it
+                judge = screens[k].judge
+                if refused or judge(offer.distance, offer.scale, offer.movement) is not None:
                     run.refused[k] += 1
                     run.banned[k].add(partner[k])
                     offer = None
